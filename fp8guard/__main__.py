@@ -1,0 +1,3 @@
+from fp8guard.cli import main
+
+main()

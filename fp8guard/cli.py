@@ -1,0 +1,135 @@
+"""The ``fp8guard`` command line. Heavy imports happen inside commands, so ``--help`` is fast."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(help="fp8guard: watch and heal FP8 training runs.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
+runs_app = typer.Typer(help="Inspect stored runs.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(runs_app, name="runs")
+
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option("--database-url", envvar="FP8GUARD_DATABASE_URL",
+                 help="sqlite:///file.db or postgresql://user@host/db (default: a SQLite file in your data dir)"),
+]
+
+
+def _url(url: str | None) -> str:
+    from fp8guard.service.settings import default_database_url
+
+    return url or default_database_url()
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code=2)
+
+
+@app.command()
+def serve(
+    database_url: DatabaseUrl = None,
+    host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    migrate: Annotated[bool, typer.Option(help="bring the schema to head before serving")] = True,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+) -> None:
+    """Run the service. Several `serve` processes may share one PostgreSQL database."""
+    import uvicorn
+
+    from fp8guard.service import Settings, create_app
+    from fp8guard.service.errors import SchemaNotAtHead
+    from fp8guard.service.store import make_engine, upgrade
+
+    url = _url(database_url)
+    try:
+        settings = Settings(database_url=url)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    if migrate:
+        # Before uvicorn starts, never in a worker, so processes do not race to migrate.
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+    try:
+        service = create_app(settings)
+    except SchemaNotAtHead as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(f"fp8guard serving on http://{host}:{port} (database: {settings.database_url})", err=True)
+    uvicorn.run(service, host=host, port=port, log_level=log_level)
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    database_url: DatabaseUrl = None,
+    revision: Annotated[str, typer.Option(help="target revision")] = "head",
+) -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    from fp8guard.service.store import make_engine, upgrade
+    from fp8guard.service.store.engine import current_revision
+
+    url = _url(database_url)
+    engine = make_engine(url)
+    upgrade(engine, revision)
+    typer.echo(f"database at revision {current_revision(engine)}")
+    engine.dispose()
+
+
+@db_app.command("current")
+def db_current(database_url: DatabaseUrl = None) -> None:
+    """Print the schema revision of the database and the newest one this fp8guard knows."""
+    from fp8guard.service.store import make_engine
+    from fp8guard.service.store.engine import current_revision, head_revision
+
+    engine = make_engine(_url(database_url))
+    typer.echo(f"current: {current_revision(engine) or '(empty)'}  head: {head_revision()}")
+    engine.dispose()
+
+
+@runs_app.command("list")
+def runs_list(
+    database_url: DatabaseUrl = None,
+    status: Annotated[str | None, typer.Option(help="running | finished | failed")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
+) -> None:
+    """List runs, most recently active first."""
+    from fp8guard.service.errors import SchemaNotAtHead
+    from fp8guard.service.store import Store
+    from fp8guard.wire import encode_float
+
+    try:
+        store = Store.open(_url(database_url))
+    except SchemaNotAtHead as exc:
+        raise _fail(str(exc)) from None
+    runs = store.runs(status=status, limit=limit)
+    store.close()
+    if as_json:
+        for r in runs:
+            typer.echo(json.dumps({"run_id": r.run_id, "model": r.model, "status": r.status,
+                                   "last_step": r.last_step, "last_loss": encode_float(r.last_loss),
+                                   "samples": r.samples, "updated_at": r.updated_at.isoformat()}))
+        return
+    typer.echo(f"{'RUN':<32} {'STATUS':<9} {'STEP':>9} {'LOSS':>10} {'SAMPLES':>12}  UPDATED")
+    for r in runs:
+        loss = "-" if r.last_loss is None else f"{r.last_loss:.4g}"
+        step = "-" if r.last_step is None else str(r.last_step)
+        typer.echo(f"{r.run_id:<32} {r.status:<9} {step:>9} {loss:>10} {r.samples:>12}  "
+                   f"{r.updated_at:%Y-%m-%d %H:%M:%S}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

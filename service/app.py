@@ -1,0 +1,59 @@
+"""``create_app(settings)``: the FastAPI application factory. Nothing is built at import time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from fp8guard import __version__
+from fp8guard.service.errors import install_handlers
+from fp8guard.service.routes import health, ingest, runs
+from fp8guard.service.schemas import IngestBatchIn
+from fp8guard.service.settings import Settings
+from fp8guard.service.store import Store
+
+__all__ = ["create_app"]
+
+
+def create_app(settings: Settings | None = None, *, store: Store | None = None) -> FastAPI:
+    """Build the service. ``store`` may be passed in (tests); otherwise it is opened from
+    ``settings.database_url`` and the schema is checked now, so a bad database fails fast."""
+    settings = settings or Settings()
+    store = store or Store.open(settings.database_url, check_schema=settings.check_schema)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        store.close()
+
+    app = FastAPI(
+        title="fp8guard",
+        version=__version__,
+        summary="Stores FP8 training telemetry and answers queries for dashboards.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    install_handlers(app)
+    app.include_router(health.router)
+    app.include_router(ingest.router)
+    app.include_router(runs.router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The ingest body is parsed by hand (for gzip and size limits), so publish its schema here."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    body = IngestBatchIn.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(body.pop("$defs", {}))
+    components["IngestBatchIn"] = body
+    app.openapi_schema = schema
+    return schema

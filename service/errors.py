@@ -1,0 +1,92 @@
+"""The service's exception tree, translated to HTTP in exactly one place (``install_handlers``).
+
+* ServiceError
+  + NotFound            404  an unknown run, tensor or stat
+  + Conflict            409  data that contradicts what is stored (a tensor index re-used with another name)
+  + InvalidPayload      422  a request that parses but is wrong; ``loc`` names the field
+  + PayloadTooLarge     413
+  + BadEncoding         400  undecodable gzip or JSON
+  + StorageUnavailable  503  the database is down or locked; safe to retry
+  + SchemaNotAtHead          startup refusal (never reaches HTTP)
+
+Routes never catch SQLAlchemy errors; the store converts them at its boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+__all__ = [
+    "BadEncoding",
+    "Conflict",
+    "InvalidPayload",
+    "NotFound",
+    "PayloadTooLarge",
+    "SchemaNotAtHead",
+    "ServiceError",
+    "StorageUnavailable",
+    "install_handlers",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    status_code = 500
+    error_type = "service_error"
+
+    def __init__(self, message: str, *, loc: Sequence[str | int] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.loc = tuple(loc)
+
+    def to_detail(self) -> list[dict[str, object]]:
+        # Same shape as FastAPI's own 422 bodies, so clients parse one format.
+        return [{"loc": list(self.loc), "msg": self.message, "type": self.error_type}]
+
+
+class NotFound(ServiceError):
+    status_code = 404
+    error_type = "not_found"
+
+
+class Conflict(ServiceError):
+    status_code = 409
+    error_type = "conflict"
+
+
+class InvalidPayload(ServiceError, ValueError):
+    status_code = 422
+    error_type = "value_error"
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+    error_type = "too_large"
+
+
+class BadEncoding(ServiceError):
+    status_code = 400
+    error_type = "bad_encoding"
+
+
+class StorageUnavailable(ServiceError):
+    status_code = 503
+    error_type = "storage_unavailable"
+
+
+class SchemaNotAtHead(ServiceError):
+    """Raised at startup; the message says which command brings the schema to head."""
+
+
+def install_handlers(app: FastAPI) -> None:
+    async def handle(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ServiceError)
+        headers = {"Retry-After": "1"} if isinstance(exc, StorageUnavailable) else None
+        return JSONResponse({"detail": exc.to_detail()}, status_code=exc.status_code, headers=headers)
+
+    app.add_exception_handler(ServiceError, handle)

@@ -1,0 +1,156 @@
+"""Runs: register/resume, list, detail, and the downsampled series the dashboards draw."""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, Path, Query, Response, status
+
+from fp8guard import wire
+from fp8guard.service.deps import SettingsDep, StoreDep
+from fp8guard.service.domain import RunDetail, RunSpec, RunSummary, TensorInfo
+from fp8guard.service.errors import InvalidPayload
+from fp8guard.service.schemas import (
+    EventOut,
+    RankOut,
+    RunDetailOut,
+    RunIn,
+    RunOut,
+    ScalarSeriesOut,
+    TensorMatrixOut,
+    TensorOut,
+    TensorSeriesOut,
+)
+from fp8guard.service.store import Window
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+RunId = Annotated[str, Path(pattern=wire.RUN_ID_PATTERN, description="the run's client-chosen id")]
+Rank = Annotated[int, Query(ge=0, lt=65536, description="which rank's data")]
+Start = Annotated[int | None, Query(ge=0, description="first step (default: the run's first)")]
+End = Annotated[int | None, Query(ge=0, description="last step, inclusive (default: the run's last)")]
+Width = Annotated[int, Query(ge=1, description="at most this many points; extremes are kept per bucket")]
+Segment = Annotated[int | None, Query(ge=0, description="one segment only (default: the effective timeline)")]
+
+
+def _window(settings_max: int, rank: int, start: int | None, end: int | None, width: int,
+            segment: int | None) -> Window:
+    if width > settings_max:
+        raise InvalidPayload(f"width {width} exceeds the maximum of {settings_max}", loc=("query", "width"))
+    if start is not None and end is not None and end < start:
+        raise InvalidPayload(f"end ({end}) is before start ({start})", loc=("query", "end"))
+    return Window(rank=rank, start=start, end=end, width=width, segment=segment)
+
+
+def _run_out(run: RunSummary) -> RunOut:
+    return RunOut(run_id=run.run_id, model=run.model, status=run.status, world_size=run.world_size,
+                  created_at=run.created_at, updated_at=run.updated_at, last_step=run.last_step,
+                  last_loss=run.last_loss, samples=run.samples)
+
+
+def _detail_out(d: RunDetail) -> RunDetailOut:
+    return RunDetailOut(
+        **_run_out(d.summary).model_dump(), recipe=d.recipe, config=d.config, num_tensors=d.num_tensors,
+        stats=d.stats,
+        ranks=[RankOut(rank=r.rank, last_step=r.last_step, last_segment=r.last_segment, last_time=r.last_time,
+                       last_loss=r.last_loss, batches=r.batches, samples=r.samples) for r in d.ranks],
+    )
+
+
+def _tensor_out(t: TensorInfo) -> TensorOut:
+    return TensorOut(index=t.index, name=t.name, module=t.module, role=t.role, format=t.fp8_format,
+                     first_step=t.first_step)
+
+
+@router.put("/{run_id}", response_model=RunOut, summary="Register a run, or resume it",
+            responses={201: {"model": RunOut, "description": "Created"}, 200: {"description": "Resumed"}})
+def register_run(run_id: RunId, body: RunIn, store: StoreDep, response: Response) -> RunOut:
+    """Idempotent: every rank may call it; the first creates the run, later calls resume it."""
+    run, created = store.register_run(RunSpec(run_id=run_id, model=body.model, recipe=body.recipe,
+                                              world_size=body.world_size, config=body.config))
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return _run_out(run)
+
+
+@router.get("", response_model=list[RunOut], summary="List runs, newest activity first")
+def list_runs(
+    store: StoreDep,
+    run_status: Annotated[Literal["running", "finished", "failed"] | None, Query(alias="status")] = None,
+    q: Annotated[str | None, Query(max_length=128, description="substring of run id or model")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> list[RunOut]:
+    return [_run_out(r) for r in store.runs(status=run_status, search=q, limit=limit, offset=offset)]
+
+
+@router.get("/{run_id}", response_model=RunDetailOut, summary="One run with per-rank progress")
+def get_run(run_id: RunId, store: StoreDep) -> RunDetailOut:
+    return _detail_out(store.run(run_id))
+
+
+@router.get("/{run_id}/tensors", response_model=list[TensorOut], summary="The run's tensor table")
+def list_tensors(run_id: RunId, store: StoreDep) -> list[TensorOut]:
+    return [_tensor_out(t) for t in store.tensors(run_id)]
+
+
+@router.get("/{run_id}/scalars", response_model=ScalarSeriesOut, summary="Per-step scalars, downsampled")
+def scalars(
+    run_id: RunId, store: StoreDep, settings: SettingsDep,
+    fields: Annotated[list[str], Query(description="loss, grad_norm, lr, tokens, time (repeat or comma-separate)")]
+    = ["loss", "grad_norm", "lr"],  # noqa: B006 - FastAPI copies defaults
+    rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
+) -> ScalarSeriesOut:
+    names = [n for f in fields for n in f.split(",") if n]
+    series = store.scalars(run_id, names, _window(settings.max_width, rank, start, end, width, segment))
+    return ScalarSeriesOut(bucket=series.bucket, steps=series.steps, min=series.minimum, max=series.maximum)
+
+
+@router.get("/{run_id}/tensors/{index}/series", response_model=TensorSeriesOut,
+            summary="One tensor's statistic over steps, downsampled")
+def tensor_series(
+    run_id: RunId, index: Annotated[int, Path(ge=0)], store: StoreDep, settings: SettingsDep,
+    stat: Annotated[str, Query(description="e.g. amax, scale, saturation")] = "amax",
+    rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
+) -> TensorSeriesOut:
+    s = store.tensor_series(run_id, index, stat, _window(settings.max_width, rank, start, end, width, segment))
+    return TensorSeriesOut(tensor=_tensor_out(s.tensor), stat=s.stat, bucket=s.bucket, steps=s.steps,
+                           min=s.minimum, max=s.maximum)
+
+
+@router.get("/{run_id}/matrix", response_model=TensorMatrixOut,
+            summary="All tensors x steps for one statistic (heatmap), downsampled")
+def tensor_matrix(
+    run_id: RunId, store: StoreDep, settings: SettingsDep,
+    stat: Annotated[str, Query()] = "amax",
+    encoding: Annotated[Literal["base64", "json"], Query(description="base64 float32 (fast) or JSON lists")]
+    = "base64",
+    rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
+) -> TensorMatrixOut:
+    m = store.tensor_matrix(run_id, stat, _window(settings.max_width, rank, start, end, width, segment))
+    lo: str | list[list[float | None]]
+    hi: str | list[list[float | None]]
+    if encoding == "base64":
+        lo = base64.b64encode(m.minimum.astype("<f4", copy=False).tobytes()).decode("ascii")
+        hi = base64.b64encode(m.maximum.astype("<f4", copy=False).tobytes()).decode("ascii")
+    else:
+        empty = m.minimum > m.maximum
+        lo = np.where(empty, None, m.minimum.astype(object)).tolist()
+        hi = np.where(empty, None, m.maximum.astype(object)).tolist()
+    return TensorMatrixOut(stat=m.stat, bucket=m.bucket, level=m.level, steps=m.column_steps.tolist(),
+                           present=m.present.tolist(), tensors=[_tensor_out(t) for t in m.tensors],
+                           encoding=encoding, min=lo, max=hi)
+
+
+@router.get("/{run_id}/events", response_model=list[EventOut], summary="Run events in order")
+def events(
+    run_id: RunId, store: StoreDep,
+    kind: Annotated[list[wire.EventKind] | None, Query()] = None,
+    start: Start = None, end: End = None, limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+) -> list[EventOut]:
+    kinds = [str(k) for k in kind or ()]
+    return [EventOut(id=e.id or 0, kind=e.kind, step=e.step, time=e.time, rank=e.rank, segment=e.segment,
+                     data=e.data) for e in store.events(run_id, kinds=kinds, start=start, end=end, limit=limit)]

@@ -1,0 +1,239 @@
+"""HTTP schemas: the pydantic mirror of ``fp8guard.wire`` (protocol v1) plus response models.
+
+Floats accept JSON numbers and the strings "NaN", "Infinity", "-Infinity"; responses write
+non-finite values the same way, because JSON itself has no NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+
+from fp8guard import wire
+
+__all__ = [
+    "EventIn",
+    "EventOut",
+    "IngestBatchIn",
+    "IngestResultOut",
+    "JsonFloat",
+    "RankOut",
+    "RunDetailOut",
+    "RunIn",
+    "RunOut",
+    "ScalarSeriesOut",
+    "StepIn",
+    "TensorDefIn",
+    "TensorMatrixOut",
+    "TensorOut",
+    "TensorSeriesOut",
+    "TensorStatsIn",
+]
+
+STAT_NAME = r"^[a-z][a-z0-9_]{0,63}$"
+MAX_STEP = 2**53
+
+
+def _encode(value: float | None) -> float | str | None:
+    return wire.encode_float(value)
+
+
+JsonFloat = Annotated[
+    float,
+    PlainSerializer(_encode, return_type=float | str | None, when_used="json"),
+    Field(json_schema_extra={"description": 'a number, or "NaN", "Infinity", "-Infinity"'}),
+]
+"""A float that survives JSON: non-finite values travel as strings."""
+OptJsonFloat = Annotated[
+    float | None, PlainSerializer(_encode, return_type=float | str | None, when_used="json")
+]
+
+_strict = ConfigDict(extra="forbid")
+
+
+class TensorDefIn(BaseModel):
+    model_config = _strict
+    index: int = Field(ge=0, lt=wire.MAX_TENSORS, description="position of this tensor in every stats block")
+    name: str = Field(min_length=1, max_length=512, description="unique label, e.g. 'blocks.0.fc1:fwd_input'")
+    module: str | None = Field(default=None, max_length=512)
+    role: str | None = Field(default=None, max_length=64, description="TE quantizer role, e.g. fwd_input")
+    format: str | None = Field(default=None, max_length=16, description="e4m3 | e5m2 | ...")
+
+
+class StepIn(BaseModel):
+    model_config = _strict
+    step: int = Field(ge=0, lt=MAX_STEP)
+    time: float | None = Field(default=None, description="wall-clock time, Unix seconds")
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int | None = Field(default=None, ge=0)
+
+
+class TensorStatsIn(BaseModel):
+    model_config = _strict
+    stats: list[Annotated[str, Field(pattern=STAT_NAME)]] = Field(min_length=1, max_length=64)
+    steps: list[Annotated[int, Field(ge=0, lt=MAX_STEP)]] = Field(min_length=1, max_length=wire.MAX_BATCH_STEPS)
+    n_tensors: int = Field(ge=1, le=wire.MAX_TENSORS)
+    dtype: Literal["<f4"] = "<f4"
+    data: str = Field(description="base64 of little-endian float32, shape (steps, stats, n_tensors), C order")
+
+    @field_validator("stats")
+    @classmethod
+    def _unique_stats(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("stat names must be unique within a block")
+        return value
+
+    @field_validator("steps")
+    @classmethod
+    def _unique_steps(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("steps must be unique within a block")
+        return value
+
+
+class EventIn(BaseModel):
+    model_config = _strict
+    kind: wire.EventKind
+    step: int | None = Field(default=None, ge=0, lt=MAX_STEP)
+    time: float | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class IngestBatchIn(BaseModel):
+    """One batch of telemetry from one rank (wire protocol v1)."""
+
+    model_config = _strict
+    protocol: int = Field(description=f"wire protocol version; this service speaks {wire.PROTOCOL_VERSION}")
+    batch_id: str = Field(pattern=wire.BATCH_ID_PATTERN, description="idempotency key; retries reuse it")
+    run_id: str = Field(pattern=wire.RUN_ID_PATTERN)
+    rank: int = Field(default=0, ge=0, lt=65536)
+    segment: int = Field(default=0, ge=0, lt=2**31, description="incremented by the agent on every rollback")
+    tensors: list[TensorDefIn] = Field(default_factory=list, max_length=wire.MAX_TENSORS)
+    steps: list[StepIn] = Field(default_factory=list, max_length=wire.MAX_BATCH_STEPS)
+    tensor_stats: list[TensorStatsIn] = Field(default_factory=list, max_length=64)
+    events: list[EventIn] = Field(default_factory=list, max_length=10_000)
+
+    @field_validator("protocol")
+    @classmethod
+    def _speaks(cls, value: int) -> int:
+        if value != wire.PROTOCOL_VERSION:
+            raise ValueError(f"protocol {value} is not supported; this service speaks {wire.PROTOCOL_VERSION}")
+        return value
+
+    @model_validator(mode="after")
+    def _unique_tensors(self) -> IngestBatchIn:
+        if len({t.index for t in self.tensors}) != len(self.tensors):
+            raise ValueError("tensors: each index may appear once per batch")
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise ValueError("tensors: each name may appear once per batch")
+        if len({s.step for s in self.steps}) != len(self.steps):
+            raise ValueError("steps: each step may appear once per batch")
+        return self
+
+
+class IngestResultOut(BaseModel):
+    batch_id: str
+    duplicate: bool = Field(description="true when this batch id was already stored; nothing was written")
+    steps: int
+    samples: int = Field(description="tensor-samples stored (one tensor's stats at one step)")
+
+
+class RunIn(BaseModel):
+    model_config = _strict
+    model: str | None = Field(default=None, max_length=256)
+    recipe: dict[str, Any] | None = Field(default=None, description="FP8 recipe, e.g. {'kind': 'delayed', ...}")
+    world_size: int = Field(default=1, ge=1, le=1_000_000)
+    config: dict[str, Any] | None = Field(default=None, description="free-form training configuration")
+
+
+class RunOut(BaseModel):
+    run_id: str
+    model: str | None
+    status: str
+    world_size: int
+    created_at: datetime
+    updated_at: datetime
+    last_step: int | None
+    last_loss: OptJsonFloat
+    samples: int
+
+
+class RankOut(BaseModel):
+    rank: int
+    last_step: int | None
+    last_segment: int
+    last_time: float | None
+    last_loss: OptJsonFloat
+    batches: int
+    samples: int
+
+
+class RunDetailOut(RunOut):
+    recipe: dict[str, Any] | None
+    config: dict[str, Any] | None
+    ranks: list[RankOut]
+    num_tensors: int
+    stats: list[str]
+
+
+class TensorOut(BaseModel):
+    index: int
+    name: str
+    module: str | None
+    role: str | None
+    format: str | None
+    first_step: int
+
+
+class ScalarSeriesOut(BaseModel):
+    bucket: int = Field(description="steps per point; 1 means raw values")
+    steps: list[int] = Field(description="first step of each bucket that holds data")
+    min: dict[str, list[OptJsonFloat]]
+    max: dict[str, list[OptJsonFloat]]
+
+
+class TensorSeriesOut(BaseModel):
+    tensor: TensorOut
+    stat: str
+    bucket: int
+    steps: list[int]
+    min: list[JsonFloat]
+    max: list[JsonFloat]
+
+
+class TensorMatrixOut(BaseModel):
+    """A heatmap: tensors x columns for one stat, extremes kept per bucket.
+
+    ``encoding="base64"``: ``min`` and ``max`` are base64 little-endian float32 of shape
+    ``(len(tensors), len(steps))``; a cell with ``min > max`` (+inf, -inf) holds no data.
+    ``encoding="json"``: nested lists; no-data cells are null, non-finite values strings.
+    """
+
+    stat: str
+    bucket: int
+    level: int = Field(description="stored block size the answer was computed from")
+    steps: list[int] = Field(description="first step of each column")
+    present: list[bool] = Field(description="whether each column holds any data")
+    tensors: list[TensorOut]
+    encoding: Literal["base64", "json"]
+    min: str | list[list[OptJsonFloat]]
+    max: str | list[list[OptJsonFloat]]
+
+
+class EventOut(BaseModel):
+    id: int
+    kind: str
+    step: int | None
+    time: OptJsonFloat
+    rank: int
+    segment: int
+    data: dict[str, Any]
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else value

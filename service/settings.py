@@ -1,0 +1,46 @@
+"""Service configuration: one pydantic-settings object, read from ``FP8GUARD_*`` variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from platformdirs import user_data_dir
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+
+__all__ = ["Settings", "default_database_url"]
+
+
+def default_database_url() -> str:
+    """A SQLite file in the user's data directory (e.g. ~/.local/share/fp8guard/fp8guard.db)."""
+    return f"sqlite:///{Path(user_data_dir('fp8guard')) / 'fp8guard.db'}"
+
+
+class Settings(BaseSettings):
+    """Everything the service can be told. ``create_app(Settings(...))`` in code and tests;
+    environment variables (``FP8GUARD_DATABASE_URL``...) for deployments."""
+
+    model_config = SettingsConfigDict(env_prefix="FP8GUARD_", extra="forbid")
+
+    database_url: str = Field(default_factory=default_database_url)
+    """SQLAlchemy URL: ``sqlite:///path.db`` (default) or ``postgresql://user@host/db`` (psycopg 3)."""
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Largest request body accepted as sent (compressed or not); larger gets 413."""
+    max_decompressed_bytes: int = Field(default=256 * 2**20, ge=1024)
+    """Largest body after gunzip, a guard against compression bombs."""
+    max_width: int = Field(default=20_000, ge=1)
+    """Most columns a downsampled query may ask for."""
+    check_schema: bool = True
+    """Refuse to start unless the schema is at the newest migration (turn off only in tests)."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _valid_url(cls, value: str) -> str:
+        try:
+            url = make_url(value)
+        except Exception as exc:  # sqlalchemy raises ArgumentError with a terse message
+            raise ValueError(f"not a database URL: {value!r} (expected sqlite:///file.db or postgresql://...)") from exc
+        if url.get_backend_name() not in ("sqlite", "postgresql"):
+            raise ValueError(f"unsupported database {url.get_backend_name()!r}: use sqlite or postgresql")
+        return value

@@ -1,0 +1,120 @@
+"""Engines, migrations and the startup schema check."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Engine, make_url
+
+from fp8guard.service.errors import SchemaNotAtHead
+
+__all__ = [
+    "alembic_config",
+    "current_revision",
+    "downgrade",
+    "head_revision",
+    "make_engine",
+    "normalize_url",
+    "upgrade",
+    "verify_schema",
+]
+
+log = logging.getLogger(__name__)
+
+# Pages of 16 KiB hold several 4 KiB stat rows each (1,000 tensors x float32) without
+# overflow chains; only effective on a new database file, before WAL is enabled.
+_SQLITE_PRAGMAS = (
+    "busy_timeout=10000",  # first: switching to WAL may itself return BUSY
+    "page_size=16384",
+    "journal_mode=WAL",
+    "synchronous=NORMAL",
+    "foreign_keys=ON",
+    "cache_size=-65536",
+)
+
+
+def normalize_url(url: str) -> str:
+    """Use psycopg 3 for ``postgresql://`` URLs and create the directory of a SQLite file."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return parsed.render_as_string(hide_password=False)
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 10}, **kwargs)
+
+        @sa.event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _: Any) -> None:
+            cur = dbapi_conn.cursor()
+            for pragma in _SQLITE_PRAGMAS:
+                cur.execute(f"PRAGMA {pragma}")
+            cur.close()
+
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("pool_size", 8)
+    return sa.create_engine(url, **kwargs)
+
+
+def _migrations_dir() -> str:
+    import fp8guard.migrations as migrations
+
+    return str(Path(migrations.__file__).parent)
+
+
+def alembic_config(connection: sa.Connection | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", _migrations_dir())
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    with engine.begin() as conn:
+        command.downgrade(alembic_config(conn), revision)
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def verify_schema(engine: Engine) -> str:
+    """Refuse to serve on a schema that is not at head; return the head revision."""
+    head = head_revision()
+    try:
+        current = current_revision(engine)
+    except sa.exc.OperationalError as exc:
+        raise SchemaNotAtHead(f"cannot open the database {engine.url!r}: {exc.orig}") from exc
+    if current != head:
+        url = engine.url.render_as_string(hide_password=True)
+        state = "is empty" if current is None else f"is at revision {current}"
+        raise SchemaNotAtHead(
+            f"the database schema {state}, but this fp8guard needs revision {head}. "
+            f"Back it up, then run: fp8guard db upgrade --database-url '{url}'"
+        )
+    return head

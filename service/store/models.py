@@ -1,0 +1,204 @@
+"""SQLAlchemy 2 models: the ORM view of the schema that ``migrations/`` defines.
+
+ORM rows never leave ``fp8guard.service.store``; readers convert them to the dataclasses in
+``fp8guard.service.domain``. The layout is justified in ``docs/architecture.md``:
+scalars get one row per (run, rank, segment, step); per-tensor statistics get one float32
+blob per (stat, step) holding every tensor, plus min/max roll-ups per block of 16, 256
+and 4096 steps so that any zoom level reads at most a few thousand rows.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "Base",
+    "SqlBatch",
+    "SqlEvent",
+    "SqlRun",
+    "SqlRunRank",
+    "SqlSegment",
+    "SqlStat",
+    "SqlStep",
+    "SqlTensor",
+    "SqlTensorSeries",
+]
+
+# Deterministic constraint names, so Alembic can alter them and the model/migration check is exact.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY, not BIGINT.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class SqlRun(Base):
+    """A training run, shared by all of its ranks."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128), unique=True)
+    """The client-chosen identity, the same on every rank."""
+    model: Mapped[str | None] = mapped_column(String(256))
+    recipe: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    world_size: Mapped[int] = mapped_column(Integer, default=1)
+    config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    """running | finished | failed; set by run_finished / run_failed events."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SqlRunRank(Base):
+    """Per-rank progress; updating it first in every ingest serialises writers of one rank."""
+
+    __tablename__ = "run_ranks"
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    last_segment: Mapped[int] = mapped_column(Integer, default=0)
+    last_time: Mapped[float | None] = mapped_column(Float)
+    last_loss: Mapped[float | None] = mapped_column(Float)
+    """NULL when unknown or NaN; ``last_loss_nan`` tells which."""
+    last_loss_nan: Mapped[bool] = mapped_column(default=False)
+    batches: Mapped[int] = mapped_column(BigInteger, default=0)
+    samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SqlSegment(Base):
+    """A stretch of steps between rollbacks: a rollback starts a new segment at an earlier step."""
+
+    __tablename__ = "segments"
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    segment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+
+
+class SqlBatch(Base):
+    """One accepted ingest batch; its primary key is what makes a retry a no-op."""
+
+    __tablename__ = "ingest_batches"
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    steps: Mapped[int] = mapped_column(Integer)
+    samples: Mapped[int] = mapped_column(BigInteger)
+
+
+class SqlTensor(Base):
+    """The run's tensor table: the position of each tensor inside every stats blob."""
+
+    __tablename__ = "tensors"
+    __table_args__ = (UniqueConstraint("run_pk", "name"),)
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(512))
+    module: Mapped[str | None] = mapped_column(String(512))
+    role: Mapped[str | None] = mapped_column(String(64))
+    fp8_format: Mapped[str | None] = mapped_column(String(16))
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    """Cells before this step are "no data", not NaN."""
+
+
+class SqlStat(Base):
+    """Names of per-tensor statistics, numbered per run (amax, scale, saturation, ...)."""
+
+    __tablename__ = "stats"
+    __table_args__ = (UniqueConstraint("run_pk", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+
+
+class SqlStep(Base):
+    """Per-step training scalars. NaN is stored as NULL plus a bit in ``nan_mask``
+    (SQLite cannot store NaN), so "not reported" and "NaN" stay distinct."""
+
+    __tablename__ = "steps"
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    segment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    time: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    lr: Mapped[float | None] = mapped_column(Float)
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    nan_mask: Mapped[int] = mapped_column(SmallInteger, default=0)
+    """Bit i set: ``wire.STEP_FIELDS[i]`` (loss, grad_norm, lr) was NaN."""
+
+
+class SqlTensorSeries(Base):
+    """Per-tensor statistics. ``level`` is the block size in steps: level 1 rows hold the raw
+    float32 values of all tensors at one step; level 16/256/4096 rows hold the element-wise
+    min then max over the block (NaN-propagating: a block that saw a NaN reports NaN)."""
+
+    __tablename__ = "tensor_series"
+    __table_args__ = (
+        Index(
+            "ux_tensor_series_key", "run_pk", "rank", "segment", "stat_id", "level", "block", unique=True
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer)
+    stat_id: Mapped[int] = mapped_column(ForeignKey("stats.id", ondelete="CASCADE"))
+    level: Mapped[int] = mapped_column(SmallInteger)
+    block: Mapped[int] = mapped_column(BigInteger)
+    """step // level"""
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class SqlEvent(Base):
+    """Run events: started/resumed/finished, checkpoints, fallbacks, rollbacks, acks."""
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_step", "run_pk", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    time: Mapped[float | None] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)

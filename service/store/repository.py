@@ -1,0 +1,146 @@
+"""``Store``: the one object the API and CLI talk to. It owns sessions and the translation of
+database errors; it takes and returns domain objects only."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from fp8guard.service.domain import (
+    Batch,
+    EventRecord,
+    IngestResult,
+    RunDetail,
+    RunSpec,
+    RunSummary,
+    ScalarSeries,
+    TensorInfo,
+    TensorMatrix,
+    TensorSeries,
+)
+from fp8guard.service.errors import Conflict, InvalidPayload, ServiceError, StorageUnavailable
+from fp8guard.service.store import reader, writer
+from fp8guard.service.store.engine import make_engine, verify_schema
+from fp8guard.service.store.models import SqlRun
+from fp8guard.service.store.reader import Window
+
+__all__ = ["Store", "Window"]
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    """Durable telemetry storage on SQLite or PostgreSQL.
+
+    >>> store = Store.open("sqlite:///runs.db")      # doctest: +SKIP
+    >>> store.register_run(RunSpec(run_id="gpt-1"))   # doctest: +SKIP
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def open(cls, url: str, *, check_schema: bool = True) -> Store:
+        engine = make_engine(url)
+        if check_schema:
+            verify_schema(engine)
+        return cls(engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        """Commit on success, roll back on failure, and translate database errors once, here."""
+        session = Session(self.engine, expire_on_commit=False)
+        try:
+            yield session
+            session.commit()
+        except ServiceError:
+            session.rollback()
+            raise
+        except sa.exc.OperationalError as exc:
+            session.rollback()
+            log.warning("database unavailable: %s", exc.orig)
+            raise StorageUnavailable(f"the database is unavailable, retry later ({type(exc.orig).__name__})") from exc
+        except sa.exc.IntegrityError as exc:
+            session.rollback()
+            raise Conflict(f"the data conflicts with what is stored: {exc.orig}") from exc
+        except sa.exc.DataError as exc:
+            session.rollback()
+            raise InvalidPayload(f"a value does not fit the database: {exc.orig}") from exc
+        finally:
+            session.close()
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def register_run(self, spec: RunSpec) -> tuple[RunSummary, bool]:
+        """Create the run, or return the existing one (resume). Returns (run, created)."""
+        now = datetime.now(UTC)
+        with self._session() as s:
+            conn = s.connection()
+            created = conn.execute(
+                writer.upsert_insert(conn)(SqlRun)
+                .values(run_id=spec.run_id, model=spec.model, recipe=spec.recipe, world_size=spec.world_size,
+                        config=spec.config, status="running", created_at=now, updated_at=now)
+                .on_conflict_do_nothing()
+                .returning(SqlRun.id)
+            ).first() is not None
+            if not created:
+                # A resumed run may come back with a new world size or config: the latest wins.
+                changes = {k: v for k, v in (("model", spec.model), ("recipe", spec.recipe),
+                                              ("config", spec.config)) if v is not None}
+                conn.execute(sa.update(SqlRun).where(SqlRun.run_id == spec.run_id)
+                             .values(world_size=spec.world_size, updated_at=now, status="running", **changes))
+        return self.run(spec.run_id).summary, created
+
+    def ingest(self, batch: Batch) -> IngestResult:
+        with self._session() as s:
+            return writer.ingest_batch(s.connection(), batch, datetime.now(UTC))
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def runs(self, *, status: str | None = None, search: str | None = None, limit: int = 100,
+             offset: int = 0) -> list[RunSummary]:
+        with self._session() as s:
+            return reader.run_summaries(s, status=status, search=search, limit=limit, offset=offset)
+
+    def run(self, run_id: str) -> RunDetail:
+        with self._session() as s:
+            return reader.run_detail(s, run_id)
+
+    def tensors(self, run_id: str) -> list[TensorInfo]:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.tensor_list(conn, reader.run_pk(conn, run_id))
+
+    def scalars(self, run_id: str, fields: Sequence[str], window: Window) -> ScalarSeries:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.scalar_series(conn, reader.run_pk(conn, run_id), fields, window)
+
+    def tensor_series(self, run_id: str, index: int, stat: str, window: Window) -> TensorSeries:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.tensor_series(conn, reader.run_pk(conn, run_id), index, stat, window)
+
+    def tensor_matrix(self, run_id: str, stat: str, window: Window) -> TensorMatrix:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.tensor_matrix(conn, reader.run_pk(conn, run_id), stat, window)
+
+    def events(self, run_id: str, *, kinds: Sequence[str] = (), start: int | None = None, end: int | None = None,
+               limit: int = 1000) -> list[EventRecord]:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.event_list(conn, reader.run_pk(conn, run_id), kinds=kinds, start=start, end=end, limit=limit)
+
+    def ping(self) -> None:
+        with self._session() as s:
+            s.execute(sa.text("SELECT 1"))

@@ -1,0 +1,322 @@
+"""The ingest path: one batch, one transaction, stored completely or not at all.
+
+Order inside the transaction matters:
+1. the batch id is inserted first, so a retried (or concurrently duplicated) batch stops here;
+2. the (run, rank) progress row is updated next; its row lock serialises writers of one rank
+   across service processes sharing PostgreSQL, which keeps the roll-up read-modify-write safe;
+3. tensor and stat tables, scalars, raw stat rows (COPY on PostgreSQL), roll-ups, events.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, TensorInfo
+from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
+from fp8guard.service.store import buckets
+from fp8guard.service.store.models import (
+    SqlBatch,
+    SqlEvent,
+    SqlRun,
+    SqlRunRank,
+    SqlSegment,
+    SqlStat,
+    SqlStep,
+    SqlTensor,
+)
+from fp8guard.wire import STEP_FIELDS
+
+__all__ = ["ingest_batch", "upsert_insert"]
+
+_SERIES_COLUMNS = "run_pk, rank, segment, stat_id, level, block, data"
+_STATUS_BY_EVENT = {"run_finished": "finished", "run_failed": "failed", "run_started": "running", "run_resumed": "running"}
+
+
+def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
+    """The dialect's INSERT construct (both offer on_conflict_do_nothing/do_update)."""
+    return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+
+
+def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime) -> IngestResult:
+    run_pk = conn.scalar(sa.select(SqlRun.id).where(SqlRun.run_id == batch.run_id))
+    if run_pk is None:
+        raise NotFound(
+            f"run {batch.run_id!r} is not registered; register it first with PUT /v1/runs/{batch.run_id}",
+            loc=("body", "run_id"),
+        )
+    insert = upsert_insert(conn)
+    samples = batch.num_samples
+    accepted = conn.execute(
+        insert(SqlBatch)
+        .values(run_pk=run_pk, batch_id=batch.batch_id, rank=batch.rank, received_at=now,
+                steps=len(batch.steps), samples=samples)
+        .on_conflict_do_nothing()
+        .returning(SqlBatch.rank)  # rowcount is not portable for INSERT .. ON CONFLICT
+    ).first() is not None
+    if not accepted:
+        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0)
+
+    progress = _lock_rank(conn, run_pk, batch.rank, now)
+    first_step, last_step = _step_range(batch)
+    overlap = _touch_segment(conn, run_pk, batch, first_step, last_step)
+    _define_tensors(conn, run_pk, batch.tensors, first_step if first_step is not None else 0)
+    _check_tensor_coverage(conn, run_pk, batch.blocks)
+    stat_ids = _stat_ids(conn, run_pk, {name for b in batch.blocks for name in b.stats})
+    _write_steps(conn, run_pk, batch)
+    for block in batch.blocks:
+        _write_block(conn, run_pk, batch, block, stat_ids, overlap=overlap)
+    _write_events(conn, run_pk, batch)
+    _update_progress(conn, run_pk, batch, progress, last_step, samples, now)
+    return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples)
+
+
+def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> sa.Row[Any]:
+    where = (SqlRunRank.run_pk == run_pk) & (SqlRunRank.rank == rank)
+    bump = sa.update(SqlRunRank).where(where).values(batches=SqlRunRank.batches + 1, updated_at=now)
+    if conn.execute(bump).rowcount == 0:
+        conn.execute(
+            upsert_insert(conn)(SqlRunRank)
+            .values(run_pk=run_pk, rank=rank, last_segment=0, batches=0, samples=0, updated_at=now,
+                    last_loss_nan=False)
+            .on_conflict_do_nothing()
+        )
+        conn.execute(bump)
+    return conn.execute(sa.select(SqlRunRank.last_step, SqlRunRank.last_segment).where(where)).one()
+
+
+def _step_range(batch: Batch) -> tuple[int | None, int | None]:
+    lows = [r.step for r in batch.steps] + [int(b.steps[0]) for b in batch.blocks if b.steps.size]
+    highs = [r.step for r in batch.steps] + [int(b.steps[-1]) for b in batch.blocks if b.steps.size]
+    lows += [e.step for e in batch.events if e.step is not None]
+    highs += [e.step for e in batch.events if e.step is not None]
+    return (min(lows), max(highs)) if lows else (None, None)
+
+
+def _touch_segment(conn: sa.Connection, run_pk: int, batch: Batch, first: int | None, last: int | None) -> bool:
+    """Extend the segment's step range; return whether this batch may overwrite stored steps."""
+    if first is None or last is None:
+        return False
+    key = (SqlSegment.run_pk == run_pk) & (SqlSegment.rank == batch.rank) & (SqlSegment.segment == batch.segment)
+    row = conn.execute(sa.select(SqlSegment.first_step, SqlSegment.last_step).where(key)).one_or_none()
+    if row is None:
+        conn.execute(sa.insert(SqlSegment).values(run_pk=run_pk, rank=batch.rank, segment=batch.segment,
+                                                  first_step=first, last_step=last))
+        return False
+    conn.execute(sa.update(SqlSegment).where(key).values(first_step=min(row.first_step, first),
+                                                         last_step=max(row.last_step, last)))
+    return first <= row.last_step and last >= row.first_step
+
+
+def _define_tensors(conn: sa.Connection, run_pk: int, tensors: Sequence[TensorInfo], first_step: int) -> None:
+    if not tensors:
+        return
+    rows = [
+        {"run_pk": run_pk, "idx": t.index, "name": t.name, "module": t.module, "role": t.role,
+         "fp8_format": t.fp8_format, "first_step": first_step}
+        for t in tensors
+    ]
+    conn.execute(upsert_insert(conn)(SqlTensor).on_conflict_do_nothing(), rows)
+    stored = {
+        int(r.idx): str(r.name)
+        for r in conn.execute(
+            sa.select(SqlTensor.idx, SqlTensor.name).where(
+                SqlTensor.run_pk == run_pk, SqlTensor.idx.in_([t.index for t in tensors])
+            )
+        )
+    }
+    for pos, t in enumerate(tensors):
+        have = stored.get(t.index)
+        if have != t.name:
+            what = f"index {t.index} is already {have!r}" if have is not None else f"name {t.name!r} already has another index"
+            raise Conflict(f"tensor {t.name!r} (index {t.index}) conflicts with this run's tensor table: {what}",
+                           loc=("body", "tensors", pos))
+
+
+def _check_tensor_coverage(conn: sa.Connection, run_pk: int, blocks: Sequence[StatBlock]) -> None:
+    if not blocks:
+        return
+    needed = max(int(b.values.shape[2]) for b in blocks)
+    defined = conn.scalar(
+        sa.select(sa.func.count()).select_from(SqlTensor).where(SqlTensor.run_pk == run_pk, SqlTensor.idx < needed)
+    )
+    if defined != needed:
+        pos = next(i for i, b in enumerate(blocks) if b.values.shape[2] == needed)
+        raise InvalidPayload(
+            f"n_tensors is {needed} but only {defined} of tensors 0..{needed - 1} are defined for this run; "
+            "send their definitions in `tensors` (once per run is enough)",
+            loc=("body", "tensor_stats", pos, "n_tensors"),
+        )
+
+
+def _stat_ids(conn: sa.Connection, run_pk: int, names: Iterable[str]) -> dict[str, int]:
+    names = sorted(set(names))
+    if not names:
+        return {}
+    conn.execute(upsert_insert(conn)(SqlStat).on_conflict_do_nothing(), [{"run_pk": run_pk, "name": n} for n in names])
+    return {
+        str(r.name): int(r.id)
+        for r in conn.execute(
+            sa.select(SqlStat.name, SqlStat.id).where(SqlStat.run_pk == run_pk, SqlStat.name.in_(names))
+        )
+    }
+
+
+def _step_row(run_pk: int, batch: Batch, rec: StepRow) -> dict[str, Any]:
+    row: dict[str, Any] = {"run_pk": run_pk, "rank": batch.rank, "segment": batch.segment, "step": rec.step,
+                           "time": rec.time, "tokens": rec.tokens}
+    mask = 0
+    for bit, name in enumerate(STEP_FIELDS):
+        value = getattr(rec, name)
+        if value is not None and math.isnan(value):
+            mask |= 1 << bit
+            value = None  # SQLite cannot hold NaN; the mask bit keeps it distinct from "absent"
+        row[name] = value
+    row["nan_mask"] = mask
+    return row
+
+
+def _write_steps(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
+    if not batch.steps:
+        return
+    stmt = upsert_insert(conn)(SqlStep)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_pk", "rank", "segment", "step"],
+        set_={c: stmt.excluded[c] for c in ("time", "loss", "grad_norm", "lr", "tokens", "nan_mask")},
+    )
+    conn.execute(stmt, [_step_row(run_pk, batch, rec) for rec in batch.steps])
+
+
+def _write_block(
+    conn: sa.Connection, run_pk: int, batch: Batch, block: StatBlock, stat_ids: dict[str, int], *, overlap: bool
+) -> None:
+    key = (run_pk, batch.rank, batch.segment)
+    values = np.ascontiguousarray(block.values.astype("<f4", copy=False))
+    steps = block.steps
+    raw_rows = [
+        (*key, stat_ids[name], 1, int(step), values[i, k].tobytes())
+        for k, name in enumerate(block.stats)
+        for i, step in enumerate(steps)
+    ]
+    _write_raw(conn, raw_rows, key, [stat_ids[n] for n in block.stats], steps, overlap=overlap)
+    for level in buckets.ROLLUP_LEVELS:
+        _merge_rollups(conn, key, block, stat_ids, values, level)
+
+
+def _write_raw(
+    conn: sa.Connection, rows: list[tuple[Any, ...]], key: tuple[int, int, int], stat_ids: list[int],
+    steps: np.ndarray[Any, Any], *, overlap: bool,
+) -> None:
+    if conn.dialect.name != "postgresql":
+        conn.exec_driver_sql(f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+        return
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    with raw.cursor() as cur:
+        if overlap:  # COPY cannot upsert: clear re-sent steps first (we hold the rank lock)
+            cur.execute(
+                "DELETE FROM tensor_series WHERE run_pk=%s AND rank=%s AND segment=%s AND level=1 "
+                "AND stat_id = ANY(%s) AND block = ANY(%s)",
+                (*key, stat_ids, [int(s) for s in steps]),
+            )
+        with cur.copy(f"COPY tensor_series ({_SERIES_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(["int4", "int4", "int4", "int4", "int2", "int8", "bytea"])
+            for row in rows:
+                copy.write_row(row)
+
+
+def _merge_rollups(
+    conn: sa.Connection, key: tuple[int, int, int], block: StatBlock, stat_ids: dict[str, int],
+    values: np.ndarray[Any, Any], level: int,
+) -> None:
+    ids = [stat_ids[n] for n in block.stats]
+    blocks, mins, maxs = buckets.rollup(block.steps, values, level)  # (blocks, stats, tensors)
+    existing = _read_rollups(conn, key, ids, level, int(blocks[0]), int(blocks[-1]))
+    rows: list[tuple[Any, ...]] = []
+    for k, sid in enumerate(ids):
+        for j, blk in enumerate(blocks):
+            lo, hi = mins[j, k], maxs[j, k]
+            old = existing.get((sid, int(blk)))
+            if old is not None:
+                lo, hi = _merge(old, lo, hi)
+            rows.append((*key, sid, level, int(blk), buckets.pack_minmax(lo, hi)))
+    if conn.dialect.name == "postgresql":
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cur:
+            cur.executemany(
+                f"INSERT INTO tensor_series ({_SERIES_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s) "
+                "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
+                rows,
+            )
+    else:
+        conn.exec_driver_sql(f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+
+
+def _read_rollups(
+    conn: sa.Connection, key: tuple[int, int, int], ids: list[int], level: int, first: int, last: int
+) -> dict[tuple[int, int], bytes]:
+    table = sa.table("tensor_series", *(sa.column(c) for c in _SERIES_COLUMNS.split(", ")))
+    c = table.c
+    rows = conn.execute(
+        sa.select(c.stat_id, c.block, c.data).where(
+            c.run_pk == key[0], c.rank == key[1], c.segment == key[2], c.level == level,
+            c.stat_id.in_(ids), c.block.between(first, last),
+        )
+    )
+    return {(int(r.stat_id), int(r.block)): bytes(r.data) for r in rows}
+
+
+def _merge(old: bytes, lo: np.ndarray[Any, Any], hi: np.ndarray[Any, Any]) -> tuple[Any, Any]:
+    """Combine a stored roll-up with new extremes; the longer tensor axis wins (tensors are
+    only ever appended), missing entries act as min/max identities."""
+    planes = np.frombuffer(old, dtype="<f4").reshape(2, -1)
+    width = max(planes.shape[1], lo.shape[0])
+    out_lo = np.full(width, np.inf, dtype=np.float32)
+    out_hi = np.full(width, -np.inf, dtype=np.float32)
+    out_lo[: planes.shape[1]] = planes[0]
+    out_hi[: planes.shape[1]] = planes[1]
+    out_lo[: lo.shape[0]] = np.minimum(out_lo[: lo.shape[0]], lo)
+    out_hi[: hi.shape[0]] = np.maximum(out_hi[: hi.shape[0]], hi)
+    return out_lo, out_hi
+
+
+def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
+    if not batch.events:
+        return
+    conn.execute(
+        sa.insert(SqlEvent),
+        [{"run_pk": run_pk, "rank": batch.rank, "segment": batch.segment, "step": e.step, "time": e.time,
+          "kind": e.kind, "data": e.data} for e in batch.events],
+    )
+    status = next((_STATUS_BY_EVENT[e.kind] for e in reversed(batch.events) if e.kind in _STATUS_BY_EVENT), None)
+    if status is not None:
+        conn.execute(sa.update(SqlRun).where(SqlRun.id == run_pk).values(status=status))
+
+
+def _update_progress(
+    conn: sa.Connection, run_pk: int, batch: Batch, progress: sa.Row[Any], last_step: int | None,
+    samples: int, now: datetime,
+) -> None:
+    values: dict[str, Any] = {"samples": SqlRunRank.samples + samples}
+    newer = last_step is not None and (
+        progress.last_step is None
+        or batch.segment > progress.last_segment
+        or (batch.segment == progress.last_segment and last_step >= progress.last_step)
+    )
+    if newer:
+        values.update(last_step=last_step, last_segment=batch.segment)
+        latest = max(batch.steps, key=lambda r: r.step, default=None)
+        if latest is not None:
+            nan = latest.loss is not None and math.isnan(latest.loss)
+            values.update(last_time=latest.time, last_loss=None if nan else latest.loss, last_loss_nan=nan)
+    conn.execute(
+        sa.update(SqlRunRank).where(SqlRunRank.run_pk == run_pk, SqlRunRank.rank == batch.rank).values(**values)
+    )
+    conn.execute(sa.update(SqlRun).where(SqlRun.id == run_pk).values(updated_at=now))
