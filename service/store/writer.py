@@ -205,8 +205,8 @@ def _write_block(
         for i, step in enumerate(steps)
     ]
     _write_raw(conn, raw_rows, key, [stat_ids[n] for n in block.stats], steps, overlap=overlap)
-    for level in buckets.ROLLUP_LEVELS:
-        _merge_rollups(conn, key, block, stat_ids, values, level)
+    for level, (blocks, mins, maxs) in buckets.rollups(steps, values).items():
+        _merge_rollups(conn, key, [stat_ids[n] for n in block.stats], level, blocks, mins, maxs)
 
 
 def _write_raw(
@@ -232,11 +232,10 @@ def _write_raw(
 
 
 def _merge_rollups(
-    conn: sa.Connection, key: tuple[int, int, int], block: StatBlock, stat_ids: dict[str, int],
-    values: np.ndarray[Any, Any], level: int,
+    conn: sa.Connection, key: tuple[int, int, int], ids: list[int], level: int,
+    blocks: np.ndarray[Any, Any], mins: np.ndarray[Any, Any], maxs: np.ndarray[Any, Any],
 ) -> None:
-    ids = [stat_ids[n] for n in block.stats]
-    blocks, mins, maxs = buckets.rollup(block.steps, values, level)  # (blocks, stats, tensors)
+    """Fold new (blocks, stats, tensors) extremes into the stored roll-up rows of ``level``."""
     existing = _read_rollups(conn, key, ids, level, int(blocks[0]), int(blocks[-1]))
     rows: list[tuple[Any, ...]] = []
     for k, sid in enumerate(ids):
