@@ -189,7 +189,8 @@ def _pg_admin(admin_url: str, *statements: str) -> None:
         timeout=60,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"psycopg2 admin statements failed: {statements}: {proc.stderr.strip()}")
+        err = proc.stderr.strip().splitlines()
+        raise RuntimeError(f"PostgreSQL admin step failed on {admin_url}: {' / '.join(err[-2:])}")
 
 
 @contextlib.contextmanager
@@ -221,17 +222,16 @@ def free_port() -> int:
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the server's process group (uvicorn forks workers), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, STOP_TIMEOUT_S)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            break
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:
-            proc.wait(timeout=wait_s)
-            break
+            proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log(f"server did not exit after {sig.name}")
-    # Leftover workers in the group (if the parent died first).
+    # Leftover workers in the group (e.g. the CLI parent exited or died first).
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
 

@@ -112,7 +112,6 @@ def upgrade() -> None:
     )
     op.create_table(
         "tensor_series",
-        sa.Column("id", _BIG_ID, primary_key=True, autoincrement=True),
         sa.Column("run_pk", sa.Integer(), nullable=False),
         sa.Column("rank", sa.Integer(), nullable=False),
         sa.Column("segment", sa.Integer(), nullable=False),
@@ -124,10 +123,8 @@ def upgrade() -> None:
                                 name="fk_tensor_series_run_pk_runs"),
         sa.ForeignKeyConstraint(["stat_id"], ["stats.id"], ondelete="CASCADE",
                                 name="fk_tensor_series_stat_id_stats"),
-        sa.PrimaryKeyConstraint("id", name="pk_tensor_series"),
+        sa.PrimaryKeyConstraint("run_pk", "rank", "segment", "stat_id", "level", "block", name="pk_tensor_series"),
     )
-    op.create_index("ux_tensor_series_key", "tensor_series",
-                    ["run_pk", "rank", "segment", "stat_id", "level", "block"], unique=True)
     if op.get_bind().dialect.name == "postgresql":
         # float32 blobs do not compress: skip pglz (EXTERNAL) and keep rows up to a page inline
         # instead of TOASTing every 4 KiB row into 2 KiB chunks (which doubled size and halved speed).
@@ -152,7 +149,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("ix_events_run_step", table_name="events")
     op.drop_table("events")
-    op.drop_index("ux_tensor_series_key", table_name="tensor_series")
     op.drop_table("tensor_series")
     for table in ("steps", "stats", "tensors", "ingest_batches", "segments", "run_ranks", "runs"):
         op.drop_table(table)

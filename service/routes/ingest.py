@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
-
 from fp8guard.service.deps import SettingsDep, StoreDep
 from fp8guard.service.ingest import decode_batch, read_body
 from fp8guard.service.schemas import IngestBatchIn, IngestResultOut
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 __all__ = ["router"]
 
@@ -40,7 +39,9 @@ async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> In
     try:
         parsed = IngestBatchIn.model_validate_json(body)
     except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False, include_context=False)]
+        # No "input" echo: it can be megabytes of base64, or bytes that are not even UTF-8.
+        errors = [{"loc": ("body", *e["loc"]), "msg": e["msg"], "type": e["type"]}
+                  for e in exc.errors(include_url=False, include_context=False, include_input=False)]
         raise RequestValidationError(errors) from None
     batch = decode_batch(parsed)
     # The store is synchronous (SQLAlchemy); keep the event loop free while it works.

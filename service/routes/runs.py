@@ -7,8 +7,6 @@ from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Path, Query, Response, status
-
-from fp8guard import wire
 from fp8guard.service.deps import SettingsDep, StoreDep
 from fp8guard.service.domain import RunDetail, RunSpec, RunSummary, TensorInfo
 from fp8guard.service.errors import InvalidPayload
@@ -24,6 +22,8 @@ from fp8guard.service.schemas import (
     TensorSeriesOut,
 )
 from fp8guard.service.store import Window
+
+from fp8guard import wire
 
 __all__ = ["router"]
 

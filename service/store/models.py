@@ -170,20 +170,17 @@ class SqlTensorSeries(Base):
     float32 values of all tensors at one step; level 16/256/4096 rows hold the element-wise
     min then max over the block (NaN-propagating: a block that saw a NaN reports NaN)."""
 
-    __tablename__ = "tensor_series"
-    __table_args__ = (
-        Index(
-            "ux_tensor_series_key", "run_pk", "rank", "segment", "stat_id", "level", "block", unique=True
-        ),
-    )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    rank: Mapped[int] = mapped_column(Integer)
-    segment: Mapped[int] = mapped_column(Integer)
-    stat_id: Mapped[int] = mapped_column(ForeignKey("stats.id", ondelete="CASCADE"))
-    level: Mapped[int] = mapped_column(SmallInteger)
-    block: Mapped[int] = mapped_column(BigInteger)
+    __tablename__ = "tensor_series"
+
+    # The natural key is the primary key: no surrogate id, whose column and index would cost
+    # bytes on every row of the largest table.
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    segment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    stat_id: Mapped[int] = mapped_column(ForeignKey("stats.id", ondelete="CASCADE"), primary_key=True)
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    block: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     """step // level"""
     data: Mapped[bytes] = mapped_column(LargeBinary)
 

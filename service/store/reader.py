@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
-
 from fp8guard.service.domain import (
     EventRecord,
     RankProgress,
@@ -37,6 +36,7 @@ from fp8guard.service.store.models import (
     SqlTensor,
     SqlTensorSeries,
 )
+
 from fp8guard.wire import STEP_FIELDS
 
 __all__ = [
@@ -257,7 +257,8 @@ def tensor_series(conn: sa.Connection, pk: int, index: int, stat: str, window: W
     offset = 4 * index + 1
     # Slice this tensor's 4 bytes out in SQL instead of shipping whole rows.
     lo_expr = sa.func.substr(col, offset, 4)
-    hi_expr = lo_expr if plan.level == 1 else sa.func.substr(col, sa.func.length(col) // 2 + offset, 4)
+    hi_expr = lo_expr if plan.level == 1 else sa.func.substr(
+        col, sa.func.length(col).op("/", return_type=sa.Integer)(2) + offset, 4)  # integer division in both dialects
     out_min, out_max = buckets.empty_planes(1, plan.columns)
     present = np.zeros(plan.columns, dtype=bool)
     for seg, lo, hi in pieces:

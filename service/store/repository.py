@@ -9,9 +9,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session
-
 from fp8guard.service.domain import (
     Batch,
     EventRecord,
@@ -29,6 +26,8 @@ from fp8guard.service.store import reader, writer
 from fp8guard.service.store.engine import make_engine, verify_schema
 from fp8guard.service.store.models import SqlRun
 from fp8guard.service.store.reader import Window
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 
 __all__ = ["Store", "Window"]
 
@@ -44,12 +43,17 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._cache = writer.WriteCache()
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
         engine = make_engine(url)
         if check_schema:
-            verify_schema(engine)
+            try:
+                verify_schema(engine)
+            except BaseException:
+                engine.dispose()
+                raise
         return cls(engine)
 
     def close(self) -> None:
@@ -102,7 +106,9 @@ class Store:
 
     def ingest(self, batch: Batch) -> IngestResult:
         with self._session() as s:
-            return writer.ingest_batch(s.connection(), batch, datetime.now(UTC))
+            result = writer.ingest_batch(s.connection(), batch, datetime.now(UTC), self._cache)
+        self._cache.publish()  # only facts from a committed transaction
+        return result
 
     # -- reads ----------------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ def test_batches_accumulate_and_rollups_merge(client) -> None:
         chunk = all_steps[lo:lo + 70]
         assert post(client, batch("acc", chunk, values=vals[lo:lo + 70], define_tensors=lo == 0)).status_code == 200
     body, mn, mx = _matrix(client, "acc", "amax", width=3)
-    assert body["level"] == 16 and body["bucket"] % 16 == 0
+    assert body["level"] > 1 and body["bucket"] % body["level"] == 0
     cols = np.asarray(body["steps"])
     for c, first in enumerate(cols):
         sel = (np.asarray(all_steps) >= first) & (np.asarray(all_steps) < first + body["bucket"])
