@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -76,16 +77,24 @@ def _summary_query() -> sa.Select[Any]:
             SqlRunRank.run_pk,
             sa.func.max(SqlRunRank.last_step).label("last_step"),
             sa.func.sum(SqlRunRank.samples).label("samples"),
+            sa.func.max(SqlRunRank.updated_at).label("active_at"),
         )
         .group_by(SqlRunRank.run_pk)
         .subquery()
     )
     rank0 = sa.orm.aliased(SqlRunRank)
+    # Ingest touches only run_ranks (one row lock per rank), so activity time is derived here.
+    active = sa.func.coalesce(agg.c.active_at, SqlRun.updated_at).label("active_at")
     return (
-        sa.select(SqlRun, agg.c.last_step, agg.c.samples, rank0.last_loss, rank0.last_loss_nan)
+        sa.select(SqlRun, agg.c.last_step, agg.c.samples, rank0.last_loss, rank0.last_loss_nan, active)
         .outerjoin(agg, agg.c.run_pk == SqlRun.id)
         .outerjoin(rank0, (rank0.run_pk == SqlRun.id) & (rank0.rank == 0))
     )
+
+
+def _aware(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes for what was stored as UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def _to_summary(row: Any) -> RunSummary:
@@ -93,7 +102,8 @@ def _to_summary(row: Any) -> RunSummary:
     loss = math.nan if row.last_loss_nan else row.last_loss
     return RunSummary(
         run_id=run.run_id, model=run.model, status=run.status, world_size=run.world_size,
-        created_at=run.created_at, updated_at=run.updated_at, last_step=row.last_step, last_loss=loss,
+        created_at=run.created_at, updated_at=max(_aware(run.updated_at), _aware(row.active_at)),
+        last_step=row.last_step, last_loss=loss,
         samples=int(row.samples or 0),
     )
 
@@ -101,7 +111,7 @@ def _to_summary(row: Any) -> RunSummary:
 def run_summaries(
     session: sa.orm.Session, *, status: str | None = None, search: str | None = None, limit: int = 100, offset: int = 0
 ) -> list[RunSummary]:
-    query = _summary_query().order_by(SqlRun.updated_at.desc(), SqlRun.id.desc()).limit(limit).offset(offset)
+    query = _summary_query().order_by(sa.desc("active_at"), SqlRun.id.desc()).limit(limit).offset(offset)
     if status:
         query = query.where(SqlRun.status == status)
     if search:
