@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -25,17 +26,19 @@ def free_port() -> int:
 def serve(database_url: str, *, timeout: float = 60.0) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = tempfile.TemporaryFile()  # a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "fp8guard", "serve", "--database-url", database_url, "--port", str(port),
          "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=env, stdout=subprocess.DEVNULL, stderr=log,
     )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"fp8guard serve exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+                log.seek(0)
+                raise RuntimeError(f"fp8guard serve exited: {log.read().decode(errors='replace')[-2000:]}")
             try:
                 if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
                     break
@@ -52,3 +55,4 @@ def serve(database_url: str, *, timeout: float = 60.0) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
