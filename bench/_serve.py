@@ -26,7 +26,7 @@ def free_port() -> int:
 def serve(database_url: str, *, timeout: float = 60.0) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = tempfile.TemporaryFile()  # a file, not a pipe: a full pipe would block the server
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "fp8guard", "serve", "--database-url", database_url, "--port", str(port),
          "--log-level", "warning"],

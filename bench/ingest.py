@@ -29,8 +29,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._serve import serve  # noqa: E402
-from fp8guard import wire  # noqa: E402
+from bench._serve import serve
+from fp8guard import wire
 
 STATS = ("amax", "scale", "saturation", "amax_history_max")
 PG_ADMIN_URL = os.environ.get("FP8GUARD_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -122,7 +122,7 @@ def _postgres(args: argparse.Namespace) -> dict[str, Any] | None:
         import psycopg
 
         admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=3)
-    except Exception as exc:  # noqa: BLE001 - report and skip, the SQLite figure still stands
+    except Exception as exc:
         print(f"postgres skipped: {exc}", file=sys.stderr)
         return None
     with admin:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Final
 
+_fast_b64: Any
 try:  # optional SIMD base64 (60x faster than binascii); the service installs it, the agent need not
     import pybase64 as _fast_b64
 except ImportError:  # pragma: no cover - exercised where pybase64 is absent

@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 
 from alembic import context
-from sqlalchemy import Connection
-
 from fp8guard.service.store.models import Base
+from sqlalchemy import Connection
 
 target_metadata = Base.metadata
 

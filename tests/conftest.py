@@ -24,6 +24,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         return
     base = postgres_base_url()
     if base is None:
+        if os.environ.get("FP8GUARD_REQUIRE_POSTGRES"):
+            pytest.fail(f"FP8GUARD_REQUIRE_POSTGRES is set but {POSTGRES_ENV} is not: PostgreSQL is down?")
         pytest.skip(f"PostgreSQL tests need {POSTGRES_ENV} (e.g. postgresql://postgres@127.0.0.1:5432/test)")
     import psycopg
 
@@ -61,7 +63,6 @@ def store(migrated_url: str) -> Iterator[object]:
 @pytest.fixture
 def client(migrated_url: str) -> Iterator[object]:
     from fastapi.testclient import TestClient
-
     from fp8guard.service import Settings, create_app
 
     app = create_app(Settings(database_url=migrated_url))

@@ -257,7 +257,7 @@ def _series_rows(conn: sa.Connection, pk: int, sid: int, level: int, seg: int, l
         assert raw is not None
         with raw.cursor(binary=True) as cur:
             cur.execute(str(compiled), compiled.params)
-            return cur.fetchall()
+            return list(cur.fetchall())
     return list(conn.execute(query))
 
 

@@ -126,7 +126,7 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
     return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples)
 
 
-def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> sa.Row[Any]:
+def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Any:
     """Bump the rank's batch counter (taking its row lock until commit) and return its progress."""
     where = (SqlRunRank.run_pk == run_pk) & (SqlRunRank.rank == rank)
     bump = (
@@ -171,7 +171,7 @@ def _touch_segment(
         return False
     conn.execute(sa.update(SqlSegment).where(key).values(first_step=min(row.first_step, first),
                                                          last_step=max(row.last_step, last)))
-    return first <= row.last_step and last >= row.first_step
+    return bool(first <= row.last_step and last >= row.first_step)
 
 
 def _define_tensors(conn: sa.Connection, run_pk: int, tensors: Sequence[TensorInfo], first_step: int) -> None:

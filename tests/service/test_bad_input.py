@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-
-from fp8guard import wire
 from fp8guard.service import Settings, create_app
+
 from tests.helpers import batch, post, register
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-
+import pytest
 from fp8guard.service.domain import RunSpec
+from fp8guard.service.errors import Conflict
 from fp8guard.service.ingest import decode_batch
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.store import Store, Window
+
 from tests.helpers import batch, stat_values
 
 
@@ -59,10 +61,8 @@ def test_failed_batch_leaves_no_cached_facts(store: Store) -> None:
     bad = batch("rb-cache", [2], n_tensors=3, stats=("amax", "brand_new_stat"))
     bad["tensors"][0]["name"] = "clash"
     _ingest(store, good)
-    try:
+    with pytest.raises(Conflict):
         _ingest(store, bad)
-    except Exception:  # noqa: BLE001 - the conflict is expected
-        pass
     ok = batch("rb-cache", [2], n_tensors=3, stats=("amax", "brand_new_stat"), define_tensors=False)
     _ingest(store, ok)
     assert "brand_new_stat" in store.run("rb-cache").stats

@@ -1,0 +1,1 @@
+"""fp8guard.dashboards: Grafana dashboards, Prometheus rules and web-dashboard assets (to come)."""

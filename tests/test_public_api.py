@@ -1,0 +1,26 @@
+"""The public API is what ``__all__`` says, and nothing drifts silently (after httpx's test)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "fp8guard": ["__version__"],
+    "fp8guard.service": ["Settings", "create_app"],
+    "fp8guard.wire": [
+        "BATCH_ID_PATTERN", "MAX_BATCH_STEPS", "MAX_TENSORS", "NONFINITE_STRINGS", "PROTOCOL_VERSION",
+        "RUN_ID_PATTERN", "STEP_FIELDS", "EventKind", "decode_f32", "decode_float", "dumps", "encode_f32",
+        "encode_float", "gzip_body", "make_batch", "new_batch_id", "tensor_stats_block",
+    ],
+    "fp8guard.service.store": ["Store", "Window", "make_engine", "upgrade", "verify_schema"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_exports_are_pinned(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(PUBLIC[module])
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.{name} is exported but missing"
