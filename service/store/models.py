@@ -9,7 +9,7 @@ and 4096 steps so that any zoom level reads at most a few thousand rows.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -26,7 +26,9 @@ from sqlalchemy import (
     String,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 __all__ = [
     "Base",
@@ -50,6 +52,18 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite hands back naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
 # SQLite only auto-increments an INTEGER PRIMARY KEY, not BIGINT.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -72,8 +86,8 @@ class SqlRun(Base):
     config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16), default="running")
     """running | finished | failed; set by run_finished / run_failed events."""
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime())
 
 
 class SqlRunRank(Base):
@@ -91,7 +105,7 @@ class SqlRunRank(Base):
     last_loss_nan: Mapped[bool] = mapped_column(default=False)
     batches: Mapped[int] = mapped_column(BigInteger, default=0)
     samples: Mapped[int] = mapped_column(BigInteger, default=0)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime())
 
 
 class SqlSegment(Base):
@@ -114,7 +128,7 @@ class SqlBatch(Base):
     run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer)
-    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    received_at: Mapped[datetime] = mapped_column(UtcDateTime())
     steps: Mapped[int] = mapped_column(Integer)
     samples: Mapped[int] = mapped_column(BigInteger)
 

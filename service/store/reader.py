@@ -102,7 +102,7 @@ def _to_summary(row: Any) -> RunSummary:
     loss = math.nan if row.last_loss_nan else row.last_loss
     return RunSummary(
         run_id=run.run_id, model=run.model, status=run.status, world_size=run.world_size,
-        created_at=run.created_at, updated_at=max(_aware(run.updated_at), _aware(row.active_at)),
+        created_at=run.created_at, updated_at=max(run.updated_at, _aware(row.active_at)),
         last_step=row.last_step, last_loss=loss,
         samples=int(row.samples or 0),
     )
