@@ -24,11 +24,10 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8guard.service.domain import Batch, RunSpec, StatBlock, StepRow, TensorInfo
-from fp8guard.service.store import Store, Window, make_engine, upgrade
-
 from bench._serve import serve
 from bench.ingest import PG_ADMIN_URL
+from fp8guard.service.domain import Batch, RunSpec, StatBlock, StepRow, TensorInfo
+from fp8guard.service.store import Store, Window, make_engine, upgrade
 
 STATS = ("amax", "scale", "saturation", "amax_history_max")
 

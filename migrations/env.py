@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 
 from alembic import context
-from fp8guard.service.store.models import Base
 from sqlalchemy import Connection
+
+from fp8guard.service.store.models import Base
 
 target_metadata = Base.metadata
 

@@ -8,13 +8,13 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+
+from fp8guard import __version__
 from fp8guard.service.errors import install_handlers
 from fp8guard.service.routes import health, ingest, runs
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
-
-from fp8guard import __version__
 
 __all__ = ["create_app"]
 

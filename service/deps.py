@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
+
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
 

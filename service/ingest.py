@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import HTTPException, Request
+
+from fp8guard import wire
 from fp8guard.service.domain import Batch, EventRecord, StatBlock, StepRow, TensorInfo
 from fp8guard.service.errors import BadEncoding, InvalidPayload, PayloadTooLarge, ServiceError
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.settings import Settings
-
-from fp8guard import wire
 
 __all__ = ["decode_batch", "read_body"]
 

@@ -63,6 +63,7 @@ def store(migrated_url: str) -> Iterator[object]:
 @pytest.fixture
 def client(migrated_url: str) -> Iterator[object]:
     from fastapi.testclient import TestClient
+
     from fp8guard.service import Settings, create_app
 
     app = create_app(Settings(database_url=migrated_url))

@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from fp8guard.service.domain import RunSpec
-from fp8guard.service.store import Store
 from typer.testing import CliRunner
 
 from fp8guard.cli import app
+from fp8guard.service.domain import RunSpec
+from fp8guard.service.store import Store
 
 runner = CliRunner()
 

@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 import pytest
-from fp8guard.service.ingest import decode_batch
-from fp8guard.service.schemas import EventIn, IngestBatchIn, StepIn, TensorDefIn, TensorStatsIn
 
 from fp8guard import wire
+from fp8guard.service.ingest import decode_batch
+from fp8guard.service.schemas import EventIn, IngestBatchIn, StepIn, TensorDefIn, TensorStatsIn
 
 
 def _sample() -> dict:

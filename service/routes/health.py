@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fp8guard.service.deps import StoreDep
 from pydantic import BaseModel
 
 from fp8guard import __version__, wire
+from fp8guard.service.deps import StoreDep
 
 __all__ = ["router"]
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
 from fp8guard.service.deps import SettingsDep, StoreDep
 from fp8guard.service.ingest import decode_batch, read_body
 from fp8guard.service.schemas import IngestBatchIn, IngestResultOut
-from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 __all__ = ["router"]
 

@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 import numpy as np
 import pybase64
 from fastapi import APIRouter, Path, Query, Response, status
+
+from fp8guard import wire
 from fp8guard.service.deps import SettingsDep, StoreDep
 from fp8guard.service.domain import RunDetail, RunSpec, RunSummary, TensorInfo
 from fp8guard.service.errors import InvalidPayload
@@ -23,8 +25,6 @@ from fp8guard.service.schemas import (
     TensorSeriesOut,
 )
 from fp8guard.service.store import Window
-
-from fp8guard import wire
 
 __all__ = ["router"]
 

@@ -11,8 +11,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from fp8guard.service.errors import SchemaNotAtHead
 from sqlalchemy.engine import Engine, make_url
+
+from fp8guard.service.errors import SchemaNotAtHead
 
 __all__ = [
     "alembic_config",

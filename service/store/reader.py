@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
+
 from fp8guard.service.domain import (
     EventRecord,
     RankProgress,
@@ -37,7 +38,6 @@ from fp8guard.service.store.models import (
     SqlTensor,
     SqlTensorSeries,
 )
-
 from fp8guard.wire import STEP_FIELDS
 
 __all__ = [

@@ -9,6 +9,9 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
 from fp8guard.service.domain import (
     Batch,
     EventRecord,
@@ -26,8 +29,6 @@ from fp8guard.service.store import reader, writer
 from fp8guard.service.store.engine import make_engine, verify_schema
 from fp8guard.service.store.models import SqlRun
 from fp8guard.service.store.reader import Window
-from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session
 
 __all__ = ["Store", "Window"]
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
 from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, TensorInfo
 from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
 from fp8guard.service.store import buckets
@@ -30,8 +32,6 @@ from fp8guard.service.store.models import (
     SqlStat,
     SqlTensor,
 )
-from sqlalchemy.dialects import postgresql, sqlite
-
 from fp8guard.wire import STEP_FIELDS
 
 __all__ = ["WriteCache", "ingest_batch", "upsert_insert"]

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from fp8guard.service import Settings, create_app
 
+from fp8guard.service import Settings, create_app
 from tests.helpers import batch, post, register
 
 

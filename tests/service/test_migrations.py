@@ -7,6 +7,7 @@ import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+
 from fp8guard.service import Settings, create_app
 from fp8guard.service.errors import SchemaNotAtHead
 from fp8guard.service.store import make_engine, upgrade

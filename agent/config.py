@@ -1,0 +1,102 @@
+"""``MonitorConfig``: everything the agent can be told, validated when it is built."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fp8guard.agent.errors import ConfigError
+from fp8guard.wire import RUN_ID_PATTERN
+
+__all__ = ["MonitorConfig", "SourceName"]
+
+SourceName = Literal["te", "torchao", "emulation"]
+_SOURCES: tuple[SourceName, ...] = ("te", "torchao", "emulation")
+
+
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    """Configuration of :class:`fp8guard.agent.Monitor`.
+
+    >>> MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt2-fp8-001")   # doctest: +ELLIPSIS
+    MonitorConfig(url='http://127.0.0.1:8000', run_id='gpt2-fp8-001', ...)
+    """
+
+    url: str | None = None
+    """The fp8guard service, e.g. ``http://127.0.0.1:8000``; default ``$FP8GUARD_URL``. With
+    neither, telemetry is only counted (useful to measure overhead); pass ``transport=`` to
+    the Monitor for anything else."""
+    run_id: str | None = None
+    """The run's identity, the same on every rank; default ``$FP8GUARD_RUN_ID``, else rank 0
+    makes one up and broadcasts it. Reusing an id resumes that run."""
+    model_name: str | None = None
+    """Shown in the dashboard; default: the model's class name."""
+    run_config: dict[str, Any] | None = None
+    """Free-form training configuration stored with the run (hyperparameters, data, ...)."""
+    flush_interval_steps: int = 50
+    """Copy the device buffers to the host and ship them every this many steps: the only
+    device-to-host transfer the agent makes."""
+    flush_interval_s: float = 10.0
+    """...or after this many seconds, whichever comes first (slow steps still show up live)."""
+    count_interval_steps: int = 0
+    """Exact overflow/underflow counts every this many steps (1 = every step, 0 = never);
+    counting reads every FP8 operand once more, so it costs more than the other statistics."""
+    sources: Sequence[SourceName] | None = None
+    """Which FP8 libraries to look for; None finds whatever the model uses. Naming a source
+    makes its absence an error."""
+    report_ranks: Literal["auto", "all", "zero"] | Sequence[int] = "auto"
+    """Which ranks send telemetry. ``auto``: every rank, except that under Transformer Engine
+    (whose amax all-reduce makes data-parallel replicas identical) only rank 0 reports."""
+    compute_grad_norm: bool = True
+    """Compute the global gradient norm on the device when ``step()`` is not given one."""
+    segment: int = 0
+    """Starting segment (incremented on every rollback); restored from checkpoints."""
+    spool_dir: Path | None = None
+    """Where batches wait while the service is unreachable (default: a temp folder per run)."""
+    spool_max_bytes: int = 256 * 2**20
+    """Bound of the spool; the oldest batches are dropped beyond it, and the drop is reported."""
+    max_pending_flushes: int = 8
+    """Flushes waiting for the background shipper; beyond it the oldest is dropped, never the
+    training step blocked."""
+    timeout_s: float = 10.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Reserved for integrations."""
+
+    def __post_init__(self) -> None:
+        self.url = self.url if self.url is not None else os.environ.get("FP8GUARD_URL") or None
+        self.run_id = self.run_id if self.run_id is not None else os.environ.get("FP8GUARD_RUN_ID") or None
+        if self.url is not None and not re.match(r"^https?://[^/\s]+", self.url):
+            raise ConfigError(f"url {self.url!r} must look like http://host:port (the fp8guard service)")
+        if self.run_id is not None and not re.match(RUN_ID_PATTERN, self.run_id):
+            raise ConfigError(
+                f"run_id {self.run_id!r} must be 1-128 characters of letters, digits and ._:- "
+                "starting with a letter or digit")
+        if self.flush_interval_steps < 1:
+            raise ConfigError(f"flush_interval_steps must be >= 1, got {self.flush_interval_steps}")
+        if self.flush_interval_steps > 10_000:
+            raise ConfigError("flush_interval_steps above 10000 would hold too much on the device; use <= 10000")
+        if not self.flush_interval_s > 0:
+            raise ConfigError(f"flush_interval_s must be > 0, got {self.flush_interval_s}")
+        if self.count_interval_steps < 0:
+            raise ConfigError(f"count_interval_steps must be >= 0 (0 turns counting off), got {self.count_interval_steps}")
+        if self.sources is not None:
+            unknown = [s for s in self.sources if s not in _SOURCES]
+            if unknown or not self.sources:
+                raise ConfigError(f"sources must be a non-empty subset of {_SOURCES}, got {list(self.sources)}")
+        if isinstance(self.report_ranks, str):
+            if self.report_ranks not in ("auto", "all", "zero"):
+                raise ConfigError(f"report_ranks must be 'auto', 'all', 'zero' or a list of ranks, got {self.report_ranks!r}")
+        elif any((not isinstance(r, int)) or r < 0 for r in self.report_ranks):
+            raise ConfigError(f"report_ranks must list non-negative ints, got {list(self.report_ranks)}")
+        if self.segment < 0:
+            raise ConfigError("segment must be >= 0")
+        if self.spool_max_bytes < 1 << 20:
+            raise ConfigError("spool_max_bytes must be at least 1 MiB")
+        if self.max_pending_flushes < 1:
+            raise ConfigError("max_pending_flushes must be >= 1")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s must be > 0")

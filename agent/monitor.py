@@ -1,0 +1,305 @@
+"""``Monitor``: the one object a training loop talks to.
+
+    monitor = Monitor(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8")).attach(model, optimizer)
+    for batch in data:
+        loss = model(batch); loss.backward(); optimizer.step()
+        monitor.step(loss)            # no host sync; call before zero_grad if grad norm is computed here
+        optimizer.zero_grad()
+    monitor.close()
+
+Per step the monitor only enqueues device work into preallocated buffers; every
+``flush_interval_steps`` it enqueues one non-blocking device-to-host copy, and a background
+thread encodes and ships it. Configuration errors raise at construction or ``attach``; after
+that nothing the monitor does can stop training: an internal error is logged once and the
+monitor switches itself off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8guard import wire
+from fp8guard.agent.config import MonitorConfig
+from fp8guard.agent.distributed import rank_and_world, shared_run_id
+from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.shipper import Shipper
+from fp8guard.agent.sources import discover_sources
+from fp8guard.agent.sources.base import COUNT_STATS, STATS, Source, TensorSpec
+from fp8guard.agent.telemetry import GRAD_NORM, LOSS, FlushPacket, StepRing
+from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
+
+__all__ = ["Monitor"]
+
+log = logging.getLogger("fp8guard.agent")
+
+_TENSOR_TABLE_EVERY = 20
+"""Re-send the tensor table every this many batches, so a service that lost its database
+relearns it instead of refusing the run's statistics forever."""
+
+
+class Monitor:
+    """Streams FP8 telemetry of one model to the fp8guard service. See the module docstring."""
+
+    def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None) -> None:
+        self.config = config or MonitorConfig()
+        self._transport = transport
+        self._attached = False
+        self._closed = False
+        self._broken = False
+        self._sources: list[Source] = []
+        self._specs: list[TensorSpec] = []
+        self._slices: list[slice] = []
+        self._params: list[nn.Parameter] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._ring: StepRing | None = None
+        self._shipper: Shipper | None = None
+        self._events: list[dict[str, Any]] = []
+        self._batches = 0
+        self._next_step = 0
+        self._last_flush = time.monotonic()
+        self._counting = False
+        self.rank, self.world_size = 0, 1
+        self.run_id = ""
+        self.segment = self.config.segment
+        self.reporting = False
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Monitor:
+        """Find the FP8 modules of ``model`` and start the background shipper. Returns self."""
+        if self._attached:
+            raise ConfigError("this Monitor is already attached; make one Monitor per model")
+        cfg = self.config
+        self.rank, self.world_size = rank_and_world()
+        self.run_id = shared_run_id(cfg.run_id)
+        self._sources = discover_sources(model, cfg.sources)
+        self.reporting = self._decide_reporting()
+        self._specs = [spec for src in self._sources for spec in src.tensors()]
+        start = 0
+        for src in self._sources:
+            n = len(src.tensors())
+            self._slices.append(slice(start, start + n))
+            start += n
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._optimizer = optimizer
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._ring = StepRing(n_tensors=len(self._specs), fp8_max=[s.fp8_max for s in self._specs],
+                              capacity=cfg.flush_interval_steps, device=device)
+        if self.reporting:
+            transport = self._transport or self._default_transport(model)
+            self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
+            self.event(wire.EventKind.RUN_STARTED, data={
+                "rank": self.rank, "world_size": self.world_size, "sources": [s.kind for s in self._sources],
+                "tensors": len(self._specs)})
+        if not self._specs:
+            log.warning("fp8guard: no FP8 modules found on %s; reporting training scalars only",
+                        type(model).__name__)
+        self._attached = True
+        self._arm_counts_for(self._next_step)
+        return self
+
+    def _decide_reporting(self) -> bool:
+        choice = self.config.report_ranks
+        if choice == "all":
+            return True
+        if choice == "zero":
+            return self.rank == 0
+        if choice == "auto":
+            # TE all-reduces amaxes over the data-parallel group: replicas would send identical data.
+            replicated = any(src.kind == "te" for src in self._sources)
+            return self.rank == 0 or not replicated
+        return self.rank in set(choice)
+
+    def _default_transport(self, model: nn.Module) -> Transport:
+        cfg = self.config
+        if cfg.url is None:
+            log.warning("fp8guard: no url configured (MonitorConfig(url=...) or $FP8GUARD_URL): "
+                        "telemetry is measured but not sent")
+            return NullTransport()
+        run = RunInfo(run_id=self.run_id, model=cfg.model_name or type(model).__name__,
+                      recipe={"sources": [s.kind for s in self._sources]}, world_size=self.world_size,
+                      config=cfg.run_config)
+        return HttpTransport(cfg.url, run, timeout_s=cfg.timeout_s, spool_dir=cfg.spool_dir,
+                             spool_max_bytes=cfg.spool_max_bytes)
+
+    # -- the per-step call ----------------------------------------------------------------------
+
+    def step(
+        self,
+        loss: torch.Tensor | float | None = None,
+        *,
+        grad_norm: torch.Tensor | float | None = None,
+        lr: float | torch.Tensor | None = None,
+        tokens: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Record one training step. Enqueues device work only: no host sync.
+
+        ``grad_norm`` defaults to the global L2 norm of the gradients, computed on the device
+        (call before ``zero_grad``); ``lr`` to the optimizer's first param group's; ``step``
+        to one more than the last.
+        """
+        if not self._attached:
+            raise ConfigError("call Monitor.attach(model, optimizer) before Monitor.step()")
+        if self._closed or self._broken or not self.reporting:
+            self._next_step = (step if step is not None else self._next_step) + 1
+            return
+        try:
+            self._record(loss, grad_norm, lr, tokens, step)
+        except Exception:  # monitoring must never take training down
+            self._broken = True
+            log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
+
+    def _record(self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | float | None,
+                lr: float | torch.Tensor | None, tokens: int | None, step: int | None) -> None:
+        ring = self._ring
+        assert ring is not None
+        current = self._next_step if step is None else step
+        i = ring.slot()
+        if loss is not None:
+            ring.scalars[i, LOSS].copy_(_as_scalar(loss, ring.device), non_blocking=True)
+        if grad_norm is None and self.config.compute_grad_norm:
+            grad_norm = self._device_grad_norm()
+        if grad_norm is not None:
+            ring.scalars[i, GRAD_NORM].copy_(_as_scalar(grad_norm, ring.device), non_blocking=True)
+        for src, sl in zip(self._sources, self._slices, strict=True):
+            src.read(ring.stats[i, :, sl])
+        if self._counting:
+            j = len(ring.count_steps)
+            for src, sl in zip(self._sources, self._slices, strict=True):
+                if src.supports_counts:
+                    src.read_counts(ring.counts[j, :, sl])
+            ring.count_steps.append(current)
+        if lr is None and self._optimizer is not None and self._optimizer.param_groups:
+            lr = self._optimizer.param_groups[0].get("lr")
+        ring.commit_step(current, loss_given=loss is not None, norm_given=grad_norm is not None,
+                         lr=lr, tokens=tokens)
+        self._next_step = current + 1
+        self._arm_counts_for(self._next_step)
+        if ring.full or time.monotonic() - self._last_flush >= self.config.flush_interval_s:
+            self._flush()
+
+    def _device_grad_norm(self) -> torch.Tensor | None:
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return None
+        norms = torch._foreach_norm(grads)
+        total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        return total
+
+    def _arm_counts_for(self, step: int) -> None:
+        every = self.config.count_interval_steps
+        want = every > 0 and step % every == 0 and self.reporting
+        if want != self._counting:
+            for src in self._sources:
+                if src.supports_counts:
+                    src.arm_counts(want)
+            self._counting = want
+
+    # -- shipping ---------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        ring, shipper = self._ring, self._shipper
+        assert ring is not None
+        self._last_flush = time.monotonic()
+        if shipper is None or (len(ring) == 0 and not self._events):
+            return
+        packet = ring.drain()
+        packet.events, self._events = self._events, []
+        include_table = self._batches % _TENSOR_TABLE_EVERY == 0
+        self._batches += 1
+        segment, specs, run_id, rank = self.segment, self._specs, self.run_id, self.rank
+        shipper.submit(lambda: _payload(packet, run_id=run_id, rank=rank, segment=segment, specs=specs,
+                                        include_table=include_table))
+
+    def event(self, kind: wire.EventKind | str, *, data: dict[str, Any] | None = None, step: int | None = None) -> None:
+        """Record a run event (checkpoint saved, ...); it ships with the next flush."""
+        kind = wire.EventKind(kind)
+        if self.reporting and not self._closed:
+            self._events.append({"kind": kind.value, "step": self._next_step - 1 if step is None else step,
+                                 "time": time.time(), "data": data or {}})
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Ship what was recorded so far and wait until the transport took it (tests, checkpoints)."""
+        if self._attached and not self._broken and self.reporting:
+            self._flush()
+            if self._shipper is not None:
+                self._shipper.flush(timeout_s)
+
+    def close(self, *, failed: bool = False, timeout_s: float = 30.0) -> None:
+        """Flush, report the run finished (or failed) and stop the shipper. Idempotent."""
+        if self._closed or not self._attached:
+            self._closed = True
+            return
+        if self.reporting and not self._broken:
+            self.event(wire.EventKind.RUN_FAILED if failed else wire.EventKind.RUN_FINISHED)
+            try:
+                self._flush()
+            except Exception:
+                log.exception("fp8guard: final flush failed")
+        self._closed = True
+        if self._shipper is not None:
+            self._shipper.close(timeout_s)
+        for src in self._sources:
+            if src.supports_counts:
+                src.arm_counts(False)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close(failed=exc is not None)
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def tensors(self) -> Sequence[TensorSpec]:
+        return tuple(self._specs)
+
+    @property
+    def sources(self) -> Sequence[Source]:
+        return tuple(self._sources)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must carry for a resumed run to continue this one."""
+        return {"run_id": self.run_id, "next_step": self._next_step, "segment": self.segment}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._next_step = int(state["next_step"])
+        self.segment = int(state["segment"])
+
+
+def _as_scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(())
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+
+def _payload(packet: FlushPacket, *, run_id: str, rank: int, segment: int, specs: Iterable[TensorSpec],
+             include_table: bool) -> dict[str, Any]:
+    """Runs on the shipper's thread: waits for the copies, then encodes."""
+    packet.wait()
+    specs = list(specs)
+    blocks = []
+    if specs and packet.steps:
+        blocks.append(wire.tensor_stats_block(stats=STATS, steps=packet.steps, n_tensors=len(specs),
+                                              data=_to_bytes(packet.stats)))
+    if specs and packet.count_steps and packet.counts is not None:
+        blocks.append(wire.tensor_stats_block(stats=COUNT_STATS, steps=packet.count_steps, n_tensors=len(specs),
+                                              data=_to_bytes(packet.counts)))
+    table = [{"index": i, "name": s.name, "module": s.module, "role": s.role, "format": s.fp8_format}
+             for i, s in enumerate(specs)] if include_table else []
+    return wire.make_batch(run_id=run_id, rank=rank, segment=segment, tensors=table,
+                           steps=packet.step_records(), tensor_stats=blocks, events=packet.events)

@@ -1,0 +1,73 @@
+"""The plug point between FP8 libraries and the monitor.
+
+A source finds the FP8 operands of one library on a model and, once per step, writes their
+state into rows of a preallocated device tensor with device operations only (no host sync).
+Rows of ``out`` (shape ``[len(STATS), n]``, one column per operand of this source):
+
+- ``amax``: the latest *completed* amax (the one the last scale update consumed);
+- ``scale``: the scale that was in use when that amax was measured;
+- ``saturation``: written by the monitor, ``amax * scale / fp8_max`` (> 1 means values were
+  clipped to the FP8 maximum);
+- ``amax_history_max``: the maximum over the amax history window (NaN-free, inf kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["AMAX", "COUNT_STATS", "HISTORY_MAX", "SATURATION", "SCALE", "STATS", "Source", "TensorSpec"]
+
+STATS: tuple[str, ...] = ("amax", "scale", "saturation", "amax_history_max")
+AMAX, SCALE, SATURATION, HISTORY_MAX = range(4)
+COUNT_STATS: tuple[str, ...] = ("overflows", "underflows")
+"""Exact counts per operand: values clipped at the FP8 maximum; nonzero values flushed to zero."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One FP8 operand, labelled the way TE labels quantizer roles."""
+
+    module: str
+    """Qualified module name in the model, e.g. ``blocks.0.mlp.fc1``."""
+    role: str
+    """``fwd_input``, ``fwd_weight``, ``fwd_output``, ``bwd_grad_output`` or ``bwd_grad_input``."""
+    fp8_format: str
+    """``e4m3`` or ``e5m2``."""
+    fp8_max: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}:{self.role}"
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What the monitor needs from an FP8 library adapter."""
+
+    kind: str
+    """Short name: ``emulation``, ``te``, ``torchao``."""
+
+    def tensors(self) -> Sequence[TensorSpec]:
+        """The operands, in column order; fixed after construction."""
+        ...
+
+    def read(self, out: torch.Tensor) -> None:
+        """Write rows AMAX, SCALE and HISTORY_MAX of ``out`` (``[len(STATS), n]``); device ops only."""
+        ...
+
+    @property
+    def supports_counts(self) -> bool:
+        """Whether exact overflow/underflow counts are available."""
+        ...
+
+    def arm_counts(self, enabled: bool) -> None:
+        """Count during the following forward/backward passes (until disarmed)."""
+        ...
+
+    def read_counts(self, out: torch.Tensor) -> None:
+        """Write counts accumulated since the last call into ``out`` (``[2, n]``) and reset them."""
+        ...

@@ -1,0 +1,83 @@
+"""Source for fp8guard's own CPU FP8 emulation (``fp8guard.agent.emulation``).
+
+Call ``Fp8Emulation.update()`` before ``Monitor.step()`` in each step, so the amax read here is
+the one the update just consumed (row -1 of the history after the roll, as in TE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fp8guard.agent.emulation import Fp8EmulatedLinear
+from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, TensorSpec
+
+__all__ = ["EmulationSource"]
+
+# (state side, slot, role): the operands an emulated linear casts (TE without FP8 outputs).
+_OPERANDS = (("fwd", 0, "fwd_input"), ("fwd", 1, "fwd_weight"), ("bwd", 0, "bwd_grad_output"))
+
+
+class EmulationSource:
+    kind = "emulation"
+
+    def __init__(self, modules: Sequence[tuple[str, Fp8EmulatedLinear]]) -> None:
+        if not modules:
+            raise ValueError("EmulationSource needs at least one Fp8EmulatedLinear")
+        self._modules = list(modules)
+        self._specs = [
+            TensorSpec(module=name, role=role, fp8_format=str(m.fwd_format if side == "fwd" else m.bwd_format),
+                       fp8_max=(m.fwd_format if side == "fwd" else m.bwd_format).fp8_max)
+            for name, m in self._modules
+            for side, _, role in _OPERANDS
+        ]
+        # The scale a completed amax was measured with is the one from *before* the update that
+        # consumed it, i.e. the scale we saw at the previous step; keep it on the device.
+        self._scale_in_use = self._current_scales().clone()
+
+    @classmethod
+    def discover(cls, model: nn.Module) -> EmulationSource | None:
+        found = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8EmulatedLinear)]
+        return cls(found) if found else None
+
+    def tensors(self) -> Sequence[TensorSpec]:
+        return self._specs
+
+    def _current_scales(self) -> torch.Tensor:
+        return torch.cat([torch.stack((m.scale_fwd[0], m.scale_fwd[1], m.scale_bwd[0])) for _, m in self._modules])
+
+    def read(self, out: torch.Tensor) -> None:
+        amax = torch.cat([torch.stack((m.last_amax_fwd[0], m.last_amax_fwd[1], m.last_amax_bwd[0]))
+                          for _, m in self._modules])
+        hist = torch.cat([torch.cat((m.amax_history_fwd[:, :2].amax(dim=0), m.amax_history_bwd[:, :1].amax(dim=0)))
+                          for _, m in self._modules])
+        out[AMAX].copy_(amax)
+        out[SCALE].copy_(self._scale_in_use)
+        out[HISTORY_MAX].copy_(hist)
+        self._scale_in_use.copy_(self._current_scales())
+
+    @property
+    def supports_counts(self) -> bool:
+        return True
+
+    def arm_counts(self, enabled: bool) -> None:
+        for _, m in self._modules:
+            m.collect_counts = enabled
+
+    def read_counts(self, out: torch.Tensor) -> None:
+        counts = torch.cat([torch.stack((m.fp8_counts_fwd[0], m.fp8_counts_fwd[1], m.fp8_counts_bwd[0]))
+                            for _, m in self._modules])  # [n, 2] int64: (overflow, underflow)
+        out.copy_(counts.t())
+        for _, m in self._modules:
+            m.reset_counts()
+
+    def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
+        """BF16 fallback (enabled=False) or re-promotion with a fresh amax history and scale."""
+        wanted = None if modules is None else set(modules)
+        for name, m in self._modules:
+            if wanted is None or name in wanted:
+                if enabled and not m.fp8_enabled:
+                    m.reset_fp8_state()
+                m.fp8_enabled = enabled

@@ -1,0 +1,137 @@
+"""Preallocated device buffers for one flush interval, and their hand-off to the host.
+
+The training thread only enqueues device work here: writes into fixed buffers, and at each
+flush one non-blocking copy into host memory plus an event. The host side (waiting on the
+event, encoding, shipping) runs on the shipper's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, STATS
+
+__all__ = ["FlushPacket", "StepRing"]
+
+LOSS, GRAD_NORM, LR = range(3)
+
+
+@dataclass
+class FlushPacket:
+    """What one flush hands to the background thread: host tensors and host-side lists."""
+
+    steps: list[int]
+    times: list[float]
+    given: list[tuple[bool, bool, bool]]
+    lr_host: list[float | None]
+    tokens: list[int | None]
+    stats: torch.Tensor
+    scalars: torch.Tensor
+    count_steps: list[int]
+    counts: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Block (the shipper's thread, never the trainer's) until the copies have landed."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def step_records(self) -> list[dict[str, Any]]:
+        scalars = self.scalars.tolist()  # host tensor: no device sync
+        out = []
+        for i, step in enumerate(self.steps):
+            loss_given, norm_given, lr_on_device = self.given[i]
+            lr = scalars[i][LR] if lr_on_device else self.lr_host[i]
+            rec: dict[str, Any] = {"step": step, "time": self.times[i]}
+            if loss_given:
+                rec["loss"] = scalars[i][LOSS]
+            if norm_given:
+                rec["grad_norm"] = scalars[i][GRAD_NORM]
+            if lr is not None:
+                rec["lr"] = lr
+            if self.tokens[i] is not None:
+                rec["tokens"] = self.tokens[i]
+            out.append(rec)
+        return out
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cuda":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+class StepRing:
+    """Device buffers for up to ``capacity`` steps of ``n_tensors`` operands."""
+
+    def __init__(self, *, n_tensors: int, fp8_max: Sequence[float], capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.device = device
+        self.stats = torch.zeros(capacity, len(STATS), n_tensors, device=device)
+        self.counts = torch.zeros(capacity, len(COUNT_STATS), n_tensors, device=device)
+        self.scalars = torch.zeros(capacity, 3, device=device)
+        self.fp8_max = torch.tensor(list(fp8_max), dtype=torch.float32, device=device)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps: list[int] = []
+        self.times: list[float] = []
+        self.given: list[tuple[bool, bool, bool]] = []
+        self.lr_host: list[float | None] = []
+        self.tokens: list[int | None] = []
+        self.count_steps: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def full(self) -> bool:
+        return len(self.steps) >= self.capacity
+
+    def slot(self) -> int:
+        return len(self.steps)
+
+    def commit_step(self, step: int, *, loss_given: bool, norm_given: bool, lr: float | torch.Tensor | None,
+                    tokens: int | None) -> None:
+        i = len(self.steps)
+        lr_on_device = isinstance(lr, torch.Tensor)
+        if isinstance(lr, torch.Tensor):
+            self.scalars[i, LR].copy_(lr.detach().reshape(()), non_blocking=True)
+        self.steps.append(step)
+        self.times.append(time.time())
+        self.given.append((loss_given, norm_given, lr_on_device))
+        self.lr_host.append(None if lr is None or isinstance(lr, torch.Tensor) else float(lr))
+        self.tokens.append(tokens)
+
+    def drain(self) -> FlushPacket:
+        """Enqueue the device-to-host copy of what was recorded and start a new interval.
+
+        # sync point (deferred): the copy is non-blocking; the event is waited on by the
+        # shipper's thread, so the training thread never waits here.
+        """
+        k, kc = len(self.steps), len(self.count_steps)
+        stats = self.stats[:k]
+        stats[:, SATURATION] = stats[:, AMAX] * stats[:, SCALE] / self.fp8_max
+        host_stats = _host_like(stats)
+        host_stats.copy_(stats, non_blocking=True)
+        host_scalars = _host_like(self.scalars[:k])
+        host_scalars.copy_(self.scalars[:k], non_blocking=True)
+        host_counts = None
+        if kc:
+            host_counts = _host_like(self.counts[:kc])
+            host_counts.copy_(self.counts[:kc], non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record()
+        packet = FlushPacket(steps=self.steps, times=self.times, given=self.given, lr_host=self.lr_host,
+                             tokens=self.tokens, stats=host_stats, scalars=host_scalars,
+                             count_steps=self.count_steps, counts=host_counts, ready=ready)
+        self._reset()
+        return packet
