@@ -95,7 +95,7 @@ class Monitor:
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
-            self.event(wire.EventKind.RUN_STARTED, data={
+            self.event(wire.EventKind.RUN_STARTED, step=self._next_step, data={
                 "rank": self.rank, "world_size": self.world_size, "sources": [s.kind for s in self._sources],
                 "tensors": len(self._specs)})
         if not self._specs:
@@ -223,7 +223,9 @@ class Monitor:
         """Record a run event (checkpoint saved, ...); it ships with the next flush."""
         kind = wire.EventKind(kind)
         if self.reporting and not self._closed:
-            self._events.append({"kind": kind.value, "step": self._next_step - 1 if step is None else step,
+            if step is None:
+                step = self._next_step - 1 if self._next_step > 0 else None
+            self._events.append({"kind": kind.value, "step": step,
                                  "time": time.time(), "data": data or {}})
 
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -33,6 +33,10 @@ class EmulationSource:
             for name, m in self._modules
             for side, _, role in _OPERANDS
         ]
+        # Column order of the concatenated [fwd input|weight of every module, bwd grad_output of
+        # every module] views, permuted to one (input, weight, grad_output) triple per module.
+        m = len(self._modules)
+        self._perm = torch.tensor([j for k in range(m) for j in (2 * k, 2 * k + 1, 2 * m + k)])
         # The scale a completed amax was measured with is the one from *before* the update that
         # consumed it, i.e. the scale we saw at the previous step; keep it on the device.
         self._scale_in_use = self._current_scales().clone()
@@ -45,17 +49,29 @@ class EmulationSource:
     def tensors(self) -> Sequence[TensorSpec]:
         return self._specs
 
+    def _columns(self, fwd: list[torch.Tensor], bwd: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        """Concatenate per-module fwd slots (input, weight) and bwd slot (grad_output), then put
+        each module's three side by side: a handful of kernels instead of one per module."""
+        joined = torch.cat([torch.cat(fwd, dim=dim), torch.cat(bwd, dim=dim)], dim=dim)
+        return joined.index_select(dim, self._perm.to(joined.device))
+
     def _current_scales(self) -> torch.Tensor:
-        return torch.cat([torch.stack((m.scale_fwd[0], m.scale_fwd[1], m.scale_bwd[0])) for _, m in self._modules])
+        mods = [m for _, m in self._modules]
+        return self._columns([m.scale_fwd[:2] for m in mods], [m.scale_bwd[:1] for m in mods])
 
     def read(self, out: torch.Tensor) -> None:
-        amax = torch.cat([torch.stack((m.last_amax_fwd[0], m.last_amax_fwd[1], m.last_amax_bwd[0]))
-                          for _, m in self._modules])
-        hist = torch.cat([torch.cat((m.amax_history_fwd[:, :2].amax(dim=0), m.amax_history_bwd[:, :1].amax(dim=0)))
-                          for _, m in self._modules])
-        out[AMAX].copy_(amax)
+        mods = [m for _, m in self._modules]
+        hist = self._columns([m.amax_history_fwd[:, :2] for m in mods], [m.amax_history_bwd[:, :1] for m in mods],
+                             dim=1) if len({m.amax_history_fwd.shape[0] for m in mods}) == 1 else None
+        if hist is not None and hist.shape[0] > 1:
+            out[AMAX].copy_(hist[-1])  # row -1 after the roll: the latest completed amax
+            out[HISTORY_MAX].copy_(hist.amax(dim=0))
+        else:  # history length 1 (kept aside by the emulation) or mixed lengths
+            out[AMAX].copy_(self._columns([m.last_amax_fwd[:2] for m in mods], [m.last_amax_bwd[:1] for m in mods]))
+            out[HISTORY_MAX].copy_(self._columns(
+                [m.amax_history_fwd[:, :2].amax(dim=0) for m in mods],
+                [m.amax_history_bwd[:, :1].amax(dim=0) for m in mods]))
         out[SCALE].copy_(self._scale_in_use)
-        out[HISTORY_MAX].copy_(hist)
         self._scale_in_use.copy_(self._current_scales())
 
     @property
@@ -67,9 +83,9 @@ class EmulationSource:
             m.collect_counts = enabled
 
     def read_counts(self, out: torch.Tensor) -> None:
-        counts = torch.cat([torch.stack((m.fp8_counts_fwd[0], m.fp8_counts_fwd[1], m.fp8_counts_bwd[0]))
-                            for _, m in self._modules])  # [n, 2] int64: (overflow, underflow)
-        out.copy_(counts.t())
+        mods = [m for _, m in self._modules]
+        counts = self._columns([m.fp8_counts_fwd[:2] for m in mods], [m.fp8_counts_bwd[:1] for m in mods])
+        out.copy_(counts.t())  # counts: [n, 2] int64 (overflow, underflow)
         for _, m in self._modules:
             m.reset_counts()
 

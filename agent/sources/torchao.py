@@ -88,7 +88,7 @@ class TorchaoSource:
             src = x.detach().float()
             # rowwise: each row is cast with its own scale
             a = amax if axis is None else src.abs().nan_to_num(nan=0.0).amax(dim=axis, keepdim=True)
-            scale = fmt.fp8_max / torch.clamp(a, min=_EPS)
+            scale = torch.reciprocal(torch.clamp(a, min=_EPS)) * fmt.fp8_max
             if self._pow2[slot]:
                 scale = torch.exp2(torch.floor(torch.log2(scale)))
             self._counts[slot].add_(count_overflow_underflow(src, scale, fmt))
@@ -110,7 +110,9 @@ class TorchaoSource:
 
     def read(self, out: torch.Tensor) -> None:
         amax = self._amax
-        scale = self._fp8_max / torch.clamp(amax, min=_EPS)
+        # torchao writes `fp8_max / clamp(amax)` with a Python float, which torch evaluates as
+        # reciprocal(...) * fp8_max; do the same so the scale matches to the last bit.
+        scale = torch.reciprocal(torch.clamp(amax, min=_EPS)) * self._fp8_max
         scale = torch.where(self._pow2_mask, torch.exp2(torch.floor(torch.log2(scale))), scale)
         out[AMAX].copy_(amax)
         out[SCALE].copy_(scale)
