@@ -32,6 +32,12 @@ from sqlalchemy.types import TypeDecorator
 
 __all__ = [
     "Base",
+    "SqlAction",
+    "SqlAlert",
+    "SqlCheckpoint",
+    "SqlDetectorState",
+    "SqlFinding",
+    "SqlLayerPrecision",
     "SqlBatch",
     "SqlEvent",
     "SqlRun",
@@ -84,6 +90,8 @@ class SqlRun(Base):
     recipe: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     world_size: Mapped[int] = mapped_column(Integer, default=1)
     config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    guard: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """Per-run detection thresholds and policy overrides (``GuardConfig`` fields), dry_run included."""
     status: Mapped[str] = mapped_column(String(16), default="running")
     """running | finished | failed; set by run_finished / run_failed events."""
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
@@ -213,3 +221,115 @@ class SqlEvent(Base):
     time: Mapped[float | None] = mapped_column(Float)
     kind: Mapped[str] = mapped_column(String(32))
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+# -- closing the loop (migration 0002) --------------------------------------------------------------
+
+
+class SqlDetectorState(Base):
+    """The detector's checkpointable state per (run, rank): windows, EMAs, counters."""
+
+    __tablename__ = "detector_states"
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class SqlFinding(Base):
+    """Something a detection rule saw, with its evidence and a one-sentence explanation."""
+
+    __tablename__ = "findings"
+    __table_args__ = (Index("ix_findings_run_step", "run_pk", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    onset_step: Mapped[int] = mapped_column(BigInteger)
+    rule: Mapped[str] = mapped_column(String(48))
+    severity: Mapped[str] = mapped_column(String(16))
+    explanation: Mapped[str] = mapped_column(String(1024))
+    modules: Mapped[list[str]] = mapped_column(JSON)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class SqlAction(Base):
+    """A policy decision (stored with its reason) and, unless dry-run, the command to the agent."""
+
+    __tablename__ = "actions"
+    __table_args__ = (Index("ix_actions_run_status", "run_pk", "status"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(24))
+    """fallback | promote | rollback | page"""
+    status: Mapped[str] = mapped_column(String(16))
+    """recommended (dry run) | pending | applied | failed | superseded"""
+    step: Mapped[int] = mapped_column(BigInteger)
+    """The step at which the service decided."""
+    reason: Mapped[str] = mapped_column(String(1024))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    finding_ids: Mapped[list[int]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    applied_step: Mapped[int | None] = mapped_column(BigInteger)
+    applied_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    error: Mapped[str | None] = mapped_column(String(1024))
+
+
+class SqlCheckpoint(Base):
+    """Checkpoints the agent reported; ``known_good`` once no finding touched their window."""
+
+    __tablename__ = "checkpoints"
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    segment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    path: Mapped[str | None] = mapped_column(String(1024))
+    known_good: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+
+
+class SqlLayerPrecision(Base):
+    """Each module's current precision and since when (from applied fallbacks/promotions)."""
+
+    __tablename__ = "layer_precision"
+
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    module: Mapped[str] = mapped_column(String(512), primary_key=True)
+    precision: Mapped[str] = mapped_column(String(8))
+    since_step: Mapped[int] = mapped_column(BigInteger)
+    action_id: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class SqlAlert(Base):
+    """Alert outbox: one row per (sink, alert); retried with backoff until delivered, so no
+    alert is lost across restarts; ``dedupe_key`` suppresses duplicates."""
+
+    __tablename__ = "alert_outbox"
+    __table_args__ = (
+        UniqueConstraint("sink", "dedupe_key"),
+        Index("ix_alert_outbox_due", "status", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_pk: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    sink: Mapped[str] = mapped_column(String(32))
+    dedupe_key: Mapped[str] = mapped_column(String(256))
+    kind: Mapped[str] = mapped_column(String(48))
+    severity: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    """pending | sent | failed (gave up) | resolved"""
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    last_error: Mapped[str | None] = mapped_column(String(1024))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    sent_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    active_until: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    """Alertmanager alerts are re-sent while active and resolved (endsAt=now) after."""
