@@ -63,6 +63,10 @@ class MonitorConfig:
     """Flushes waiting for the background shipper; beyond it the oldest is dropped, never the
     training step blocked."""
     timeout_s: float = 10.0
+    command_check_interval_steps: int = 10
+    """Look for remediation commands from the service every this many steps. Under
+    torch.distributed rank 0 broadcasts them then (the agent's one intended host sync), so
+    every rank applies a command at the same step."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Reserved for integrations."""
 
@@ -98,5 +102,7 @@ class MonitorConfig:
             raise ConfigError("spool_max_bytes must be at least 1 MiB")
         if self.max_pending_flushes < 1:
             raise ConfigError("max_pending_flushes must be >= 1")
+        if self.command_check_interval_steps < 1:
+            raise ConfigError("command_check_interval_steps must be >= 1")
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s must be > 0")

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fp8guard import wire
+from fp8guard.agent.commands import Outcome, Remediator, parse_command
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
@@ -65,6 +68,9 @@ class Monitor:
         self._next_step = 0
         self._last_flush = time.monotonic()
         self._counting = False
+        self._inbox: deque[dict[str, Any]] = deque()
+        self._applied_ids: set[int] = set()
+        self.remediator: Remediator | None = None
         self.rank, self.world_size = 0, 1
         self.run_id = ""
         self.segment = self.config.segment
@@ -72,8 +78,12 @@ class Monitor:
 
     # -- setup ------------------------------------------------------------------------------
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Monitor:
-        """Find the FP8 modules of ``model`` and start the background shipper. Returns self."""
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               remediator: Remediator | None = None) -> Monitor:
+        """Find the FP8 modules of ``model`` and start the background shipper. Returns self.
+
+        ``remediator`` applies the service's commands (fallback, promotion, rollback); without
+        one, commands are acknowledged as ignored."""
         if self._attached:
             raise ConfigError("this Monitor is already attached; make one Monitor per model")
         cfg = self.config
@@ -87,6 +97,7 @@ class Monitor:
             n = len(src.tensors())
             self._slices.append(slice(start, start + n))
             start += n
+        self.remediator = remediator
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -127,7 +138,7 @@ class Monitor:
                       recipe={"sources": [s.kind for s in self._sources]}, world_size=self.world_size,
                       config=cfg.run_config)
         return HttpTransport(cfg.url, run, timeout_s=cfg.timeout_s, spool_dir=cfg.spool_dir,
-                             spool_max_bytes=cfg.spool_max_bytes)
+                             spool_max_bytes=cfg.spool_max_bytes, on_commands=self.receive_commands)
 
     # -- the per-step call ----------------------------------------------------------------------
 
@@ -148,14 +159,22 @@ class Monitor:
         """
         if not self._attached:
             raise ConfigError("call Monitor.attach(model, optimizer) before Monitor.step()")
-        if self._closed or self._broken or not self.reporting:
-            self._next_step = (step if step is not None else self._next_step) + 1
+        current = self._next_step if step is None else step
+        if self._closed:
             return
-        try:
-            self._record(loss, grad_norm, lr, tokens, step)
-        except Exception:  # monitoring must never take training down
-            self._broken = True
-            log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
+        if self._broken or not self.reporting:
+            self._next_step = current + 1
+        else:
+            try:
+                self._record(loss, grad_norm, lr, tokens, step)
+            except Exception:  # monitoring must never take training down
+                self._broken = True
+                log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
+                self._next_step = current + 1
+        if (current + 1) % self.config.command_check_interval_steps == 0:
+            # Every rank reaches this at the same step, whatever it reports: the broadcast in
+            # _check_commands must be entered by all of them.
+            self._check_commands(current)
 
     def _record(self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | float | None,
                 lr: float | torch.Tensor | None, tokens: int | None, step: int | None) -> None:
@@ -185,6 +204,61 @@ class Monitor:
         self._arm_counts_for(self._next_step)
         if ring.full or time.monotonic() - self._last_flush >= self.config.flush_interval_s:
             self._flush()
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def receive_commands(self, commands: Iterable[dict[str, Any]]) -> None:
+        """Queue commands from the service (called by the transport's thread, or by tests)."""
+        self._inbox.extend(commands)
+
+    def _check_commands(self, step: int) -> None:
+        raws: list[dict[str, Any]] = []
+        while self._inbox:
+            raws.append(self._inbox.popleft())
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            # sync point (intended, every command_check_interval_steps): rank 0 tells every rank
+            # what to apply, so all of them act at this same step.
+            box: list[Any] = [raws if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            raws = list(box[0] or [])
+        for raw in raws:
+            self._apply(raw, step)
+
+    def _apply(self, raw: dict[str, Any], step: int) -> None:
+        try:
+            command = parse_command(raw)
+        except ValueError as exc:
+            log.error("fp8guard: ignoring a malformed command from the service: %s", exc)
+            return
+        if command.id in self._applied_ids:
+            return  # delivered again (a retried ingest answer, a restarted service): apply once
+        self._applied_ids.add(command.id)
+        if self.remediator is None:
+            outcome = Outcome("ignored", error="no remediator attached (Monitor.attach(..., remediator=...))")
+        else:
+            try:
+                outcome = self.remediator.apply(command, step=step)
+            except Exception as exc:  # a failed remediation is reported, never raised into training
+                log.exception("fp8guard: applying command %s (%s) failed", command.id, command.kind)
+                outcome = Outcome("failed", error=f"{type(exc).__name__}: {exc}")
+        if outcome.status == "applied":
+            log.warning("fp8guard: applied %s at step %d: %s", command.kind, step, command.reason)
+        self.event(wire.EventKind.COMMAND_ACKNOWLEDGED, step=step, data={
+            "command_id": command.id, "kind": command.kind, "status": outcome.status, "applied_step": step,
+            "error": outcome.error, **outcome.details})
+        if outcome.status == "applied":
+            kind = {"fallback": wire.EventKind.FALLBACK_APPLIED, "promote": wire.EventKind.PROMOTION_APPLIED,
+                    "rollback": wire.EventKind.ROLLBACK_APPLIED}[command.kind]
+            self.event(kind, step=step, data={"command_id": command.id,
+                                              "modules": list(command.modules) if command.modules else None,
+                                              "checkpoint_step": command.checkpoint_step, **outcome.details})
+        if outcome.resume_step is not None:
+            # Telemetry recorded so far belongs to the abandoned stretch: ship it under the old
+            # segment, then continue in a new one from the restored step.
+            if self.reporting and not self._broken:
+                self._flush()
+            self.segment += 1
+            self._next_step = outcome.resume_step
 
     def _device_grad_norm(self) -> torch.Tensor | None:
         grads = [p.grad for p in self._params if p.grad is not None]
@@ -272,11 +346,13 @@ class Monitor:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must carry for a resumed run to continue this one."""
-        return {"run_id": self.run_id, "next_step": self._next_step, "segment": self.segment}
+        return {"run_id": self.run_id, "next_step": self._next_step, "segment": self.segment,
+                "applied_commands": sorted(self._applied_ids)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._next_step = int(state["next_step"])
         self.segment = int(state["segment"])
+        self._applied_ids |= set(state.get("applied_commands", []))
 
 
 def _as_scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:

@@ -249,6 +249,7 @@ class HttpTransport:
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_commands: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -288,6 +289,7 @@ class HttpTransport:
         self._sleep = sleep
         self._rng = rng if rng is not None else random.Random()
         self._clock = clock
+        self._on_commands = on_commands
 
         self._lock = threading.Lock()  # send() and close() may come from different threads
         self._stats = TransportStats()
@@ -516,11 +518,18 @@ class HttpTransport:
         self._stats.sent_batches += 1
         self._stats.bytes_sent += n_bytes
         try:
-            duplicate = response.json().get("duplicate") is True
+            body = response.json()
+            duplicate = body.get("duplicate") is True
+            commands = body.get("commands") or []
         except Exception:  # the status is authoritative; the body is informative
-            duplicate = False
+            duplicate, commands = False, []
         if duplicate:
             self._stats.duplicate_batches += 1
+        if commands and self._on_commands is not None:
+            try:  # remediation commands ride on ingest answers; hand them to the monitor
+                self._on_commands(list(commands))
+            except Exception:
+                log.exception("fp8guard: handling commands from the service failed")
 
     def _reject(self, status: int, response: httpx.Response, batch_id: str) -> None:
         self._stats.rejected_batches += 1
