@@ -35,6 +35,8 @@ class RunSpec:
     recipe: dict[str, Any] | None = None
     world_size: int = 1
     config: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None
+    """Detection/policy overrides (GuardConfig fields)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,8 @@ class IngestResult:
     duplicate: bool
     steps: int
     samples: int
+    commands: list[dict[str, Any]] = field(default_factory=list)
+    """Pending remediation commands for the run (see fp8guard.agent.commands)."""
 
 
 @dataclass(frozen=True, slots=True)

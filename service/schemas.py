@@ -141,6 +141,11 @@ class IngestResultOut(BaseModel):
     duplicate: bool = Field(description="true when this batch id was already stored; nothing was written")
     steps: int
     samples: int = Field(description="tensor-samples stored (one tensor's stats at one step)")
+    commands: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="pending remediation commands for this run: {id, kind: fallback|promote|rollback, reason, "
+                    "modules, checkpoint_step, skip_batches, lr_scale, lr_scale_steps}; acknowledge each with a "
+                    "command_acknowledged event")
 
 
 class RunIn(BaseModel):
@@ -149,6 +154,17 @@ class RunIn(BaseModel):
     recipe: dict[str, Any] | None = Field(default=None, description="FP8 recipe, e.g. {'kind': 'delayed', ...}")
     world_size: int = Field(default=1, ge=1, le=1_000_000)
     config: dict[str, Any] | None = Field(default=None, description="free-form training configuration")
+    guard: dict[str, Any] | None = Field(default=None, description="detection thresholds and policy overrides "
+                                         "(GuardConfig fields, e.g. {'dry_run': true, 'skip_batches': 300})")
+
+    @field_validator("guard")
+    @classmethod
+    def _valid_guard(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            from fp8guard.service.detect.config import GuardConfig
+
+            GuardConfig.model_validate(value)  # unknown keys and bad values are refused here, with their names
+        return value
 
 
 class RunOut(BaseModel):

@@ -48,4 +48,4 @@ async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> In
     # The store is synchronous (SQLAlchemy); keep the event loop free while it works.
     result = await run_in_threadpool(store.ingest, batch)
     return IngestResultOut(batch_id=result.batch_id, duplicate=result.duplicate, steps=result.steps,
-                           samples=result.samples)
+                           samples=result.samples, commands=result.commands)

@@ -72,7 +72,7 @@ def _tensor_out(t: TensorInfo) -> TensorOut:
 def register_run(run_id: RunId, body: RunIn, store: StoreDep, response: Response) -> RunOut:
     """Idempotent: every rank may call it; the first creates the run, later calls resume it."""
     run, created = store.register_run(RunSpec(run_id=run_id, model=body.model, recipe=body.recipe,
-                                              world_size=body.world_size, config=body.config))
+                                              world_size=body.world_size, config=body.config, guard=body.guard))
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return _run_out(run)
 

@@ -27,6 +27,7 @@ from fp8guard.service.domain import (
 from fp8guard.service.errors import Conflict, InvalidPayload, ServiceError, StorageUnavailable
 from fp8guard.service.store import reader, writer
 from fp8guard.service.store.engine import make_engine, verify_schema
+from fp8guard.service.store.guard import AlertHook
 from fp8guard.service.store.models import SqlRun
 from fp8guard.service.store.reader import Window
 
@@ -42,9 +43,10 @@ class Store:
     >>> store.register_run(RunSpec(run_id="gpt-1"))   # doctest: +SKIP
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, alert_hook: AlertHook | None = None) -> None:
         self.engine = engine
         self._cache = writer.WriteCache()
+        self.alert_hook = alert_hook or AlertHook()
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -93,21 +95,21 @@ class Store:
             created = conn.execute(
                 writer.upsert_insert(conn)(SqlRun)
                 .values(run_id=spec.run_id, model=spec.model, recipe=spec.recipe, world_size=spec.world_size,
-                        config=spec.config, status="running", created_at=now, updated_at=now)
+                        config=spec.config, guard=spec.guard, status="running", created_at=now, updated_at=now)
                 .on_conflict_do_nothing()
                 .returning(SqlRun.id)
             ).first() is not None
             if not created:
                 # A resumed run may come back with a new world size or config: the latest wins.
                 changes = {k: v for k, v in (("model", spec.model), ("recipe", spec.recipe),
-                                              ("config", spec.config)) if v is not None}
+                                              ("config", spec.config), ("guard", spec.guard)) if v is not None}
                 conn.execute(sa.update(SqlRun).where(SqlRun.run_id == spec.run_id)
                              .values(world_size=spec.world_size, updated_at=now, status="running", **changes))
         return self.run(spec.run_id).summary, created
 
     def ingest(self, batch: Batch) -> IngestResult:
         with self._session() as s:
-            result = writer.ingest_batch(s.connection(), batch, datetime.now(UTC), self._cache)
+            result = writer.ingest_batch(s.connection(), batch, datetime.now(UTC), self._cache, self.alert_hook)
         self._cache.publish()  # only facts from a committed transaction
         return result
 

@@ -23,6 +23,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, TensorInfo
 from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
 from fp8guard.service.store import buckets
+from fp8guard.service.store.guard import AlertHook, guard_batch, pending_commands
 from fp8guard.service.store.models import (
     SqlBatch,
     SqlEvent,
@@ -50,6 +51,8 @@ class WriteCache:
     run_pks: dict[str, int] = field(default_factory=dict)
     stat_ids: dict[tuple[int, str], int] = field(default_factory=dict)
     tensors_defined: dict[int, int] = field(default_factory=dict)
+    metas: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """(run, number of tensors) -> the detector's tensor descriptions."""
     tails: OrderedDict[tuple[int, int], RollupTail] = field(default_factory=OrderedDict)
     """Per (run, rank): the newest roll-up rows this process wrote, valid only while the
     rank's ``batches`` counter shows no other process wrote since (checked under the row lock)."""
@@ -83,7 +86,8 @@ def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
 
-def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteCache) -> IngestResult:
+def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteCache,
+                 alert_hook: AlertHook | None = None) -> IngestResult:
     cache.pending.clear()
     run_pk = cache.run_pks.get(batch.run_id)
     if run_pk is None:
@@ -105,7 +109,8 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
         .returning(SqlBatch.rank)  # rowcount is not portable for INSERT .. ON CONFLICT
     ).first() is not None
     if not accepted:
-        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0)
+        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0,
+                            commands=pending_commands(conn, run_pk))
 
     progress = _lock_rank(conn, run_pk, batch.rank, now)
     first_step, last_step = _step_range(batch)
@@ -123,7 +128,9 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
     cache.pending.append(("tails", (run_pk, batch.rank), new_tail))
     _write_events(conn, run_pk, batch)
     _update_progress(conn, run_pk, batch, progress, last_step, samples)
-    return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples)
+    guard_batch(conn, run_pk, batch, last_step, now, alert_hook or AlertHook(), cache)
+    return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples,
+                        commands=pending_commands(conn, run_pk))
 
 
 def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Any:

@@ -1,0 +1,270 @@
+"""``AlertDispatcher``: delivers due outbox rows, with retries, from a background thread.
+
+Claiming works the same on both backends: one ``UPDATE ... WHERE id IN (SELECT ... LIMIT n)
+RETURNING`` moves the chosen rows' ``next_attempt_at`` to a lease deadline and commits, then the
+HTTP requests go out with no transaction open, then each outcome is written in its own short
+transaction. On PostgreSQL the inner SELECT is ``FOR UPDATE SKIP LOCKED``, so several service
+processes claim disjoint rows without waiting on each other; on SQLite the UPDATE takes the
+database's single write lock, which serialises claims just as well. A process that dies mid-send
+leaves its rows leased; they become due again when the lease ends (at-least-once delivery, and
+webhook receivers dedupe on the unchanged ``webhook-id``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import httpx
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, Row
+
+from fp8guard.service.alerts.config import AlertSettings
+from fp8guard.service.alerts.model import Alert
+from fp8guard.service.alerts.outbox import backlog, utc
+from fp8guard.service.alerts.sinks import Delivery, build_request, send
+from fp8guard.service.store.models import SqlAlert
+
+__all__ = ["OUTCOMES", "AlertDispatcher"]
+
+log = logging.getLogger(__name__)
+
+OUTCOMES = ("sent", "resent", "resolved", "retry", "failed")
+"""``stats()`` keys: first delivery, Alertmanager re-send, Alertmanager resolve, a failure that
+will be retried, giving up."""
+_T = cast(sa.Table, SqlAlert.__table__)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class AlertDispatcher:
+    """Delivers the alert outbox of ``engine`` to the sinks in ``settings``.
+
+    ``run_once()`` does one pass (tests call it directly with an injected ``clock``); ``start()``
+    runs passes every ``poll_interval_s`` in a daemon thread until ``stop()``. Rows of sinks that
+    are not configured here are left alone, so they survive a configuration mistake.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: AlertSettings,
+        *,
+        client: httpx.Client | None = None,
+        clock: Callable[[], datetime] = _now,
+        sleep: Callable[[float], object] | None = None,
+        rng: random.Random | None = None,
+        batch_size: int = 20,
+    ) -> None:
+        """``client``: an httpx client to send with (owned and closed by ``close()`` when not given).
+        ``clock``: current time (tz-aware). ``sleep``: waits between passes of the background thread
+        (default: an interruptible wait, so ``stop()`` is immediate). ``rng``: backoff jitter."""
+        self._engine = engine
+        self._settings = settings
+        self._owns_client = client is None
+        self._client = client or httpx.Client(timeout=settings.request_timeout_s, follow_redirects=False)
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._batch_size = batch_size
+        self._stats: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._postgres = engine.dialect.name == "postgresql"
+
+    @property
+    def settings(self) -> AlertSettings:
+        return self._settings
+
+    # -- one pass ------------------------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """Deliver every row due now (in batches); return how many deliveries were attempted."""
+        return self._pass(None)
+
+    def _pass(self, stop: threading.Event | None) -> int:
+        names = [s.name for s in self._settings.sinks()]
+        if not names:
+            return 0
+        attempted = 0
+        while stop is None or not stop.is_set():
+            rows = self._claim(names)
+            for row in rows:
+                self._deliver(row)
+            attempted += len(rows)
+            if len(rows) < self._batch_size:
+                break
+        return attempted
+
+    def _claim(self, names: list[str]) -> list[Row[Any]]:
+        now = utc(self._clock())
+        due = (
+            sa.select(_T.c.id)
+            .where(
+                _T.c.sink.in_(names),
+                _T.c.next_attempt_at <= now,
+                sa.or_(_T.c.status == "pending",
+                       # an active Alertmanager alert awaiting its periodic re-send or final resolve
+                       sa.and_(_T.c.status == "sent", _T.c.active_until.is_not(None))),
+            )
+            .order_by(_T.c.next_attempt_at, _T.c.id)
+            .limit(self._batch_size)
+        )
+        if self._postgres:
+            due = due.with_for_update(skip_locked=True)
+        # Sends are sequential, so the last claimed row may wait for all the others' timeouts.
+        lease = now + timedelta(seconds=(self._batch_size + 1) * self._settings.request_timeout_s + 30)
+        with self._engine.begin() as conn:
+            rows = conn.execute(
+                sa.update(_T).where(_T.c.id.in_(due.scalar_subquery())).values(next_attempt_at=lease).returning(*_T.c)
+            ).all()
+        return sorted(rows, key=lambda r: (r.next_attempt_at, r.id))
+
+    def _deliver(self, row: Row[Any]) -> None:
+        sink = self._settings.sink(row.sink)
+        if sink is None:  # reconfigured between claim and send; the lease will expire and retry
+            return
+        now = utc(self._clock())
+        try:
+            delivery = Delivery(
+                row_id=row.id, message_id=str(row.payload.get("message_id") or f"msg_fp8guard_{row.id}"),
+                alert=Alert.from_json(row.payload["alert"]), created_at=row.created_at,
+                active_until=row.active_until,
+            )
+            request = build_request(sink, delivery, self._settings, now)
+        except Exception as exc:  # a corrupt payload can never be sent: give up on it at once
+            log.exception("alert outbox row %s cannot be built", row.id)
+            self._finish(row, status="failed", error=f"cannot build the request: {exc}"[:1000], outcome="failed")
+            return
+        result = send(self._client, request, timeout_s=self._settings.request_timeout_s, now=now)
+        done = utc(self._clock())
+        if result.ok:
+            if not request.final:
+                self._mark_active(row, done)
+            elif row.active_until is not None:
+                self._finish(row, status="resolved", error=None, outcome="resolved", sent_at=done)
+            else:
+                self._finish(row, status="sent", error=None, outcome="sent", sent_at=done)
+            return
+        attempts = row.attempts + 1
+        if result.gone:
+            log.warning("alert sink %s answered 410 Gone for row %s: giving up on it; remove the sink "
+                        "from the configuration if it is permanently gone", row.sink, row.id)
+            self._finish(row, status="failed", error=result.error, outcome="failed", attempts=attempts)
+            return
+        if attempts >= self._settings.max_attempts:
+            log.error("alert row %s to sink %s failed %d times, giving up: %s", row.id, row.sink, attempts,
+                      result.error)
+            self._finish(row, status="failed", error=result.error, outcome="failed", attempts=attempts)
+            return
+        delay = self.backoff(attempts)
+        if result.retry_after_s is not None:
+            delay = max(delay, result.retry_after_s)
+        log.info("alert row %s to sink %s failed (%s); retry %d in %.1f s", row.id, row.sink, result.error,
+                 attempts, delay)
+        with self._engine.begin() as conn:
+            conn.execute(sa.update(_T).where(_T.c.id == row.id).values(
+                attempts=attempts, last_error=(result.error or "")[:1000],
+                next_attempt_at=done + timedelta(seconds=delay),
+            ))
+        self._count(row.sink, "retry")
+
+    def backoff(self, attempts: int) -> float:
+        """Delay after the ``attempts``-th failure in a row: base * 2^(n-1), capped, +-20% jitter."""
+        base = min(self._settings.backoff_max_s, self._settings.backoff_base_s * 2.0 ** min(attempts - 1, 60))
+        return base * self._rng.uniform(0.8, 1.2)
+
+    def _mark_active(self, row: Row[Any], now: datetime) -> None:
+        # Re-send after resend_interval_s, or at active_until to resolve. active_until is read in
+        # SQL, not from the claimed row: resolve() may have moved it to "now" while we were sending.
+        nxt = now + timedelta(seconds=self._settings.resend_interval_s)
+        with self._engine.begin() as conn:
+            conn.execute(sa.update(_T).where(_T.c.id == row.id).values(
+                status="sent", attempts=0, last_error=None, sent_at=now,
+                next_attempt_at=sa.case((_T.c.active_until < nxt, _T.c.active_until), else_=nxt),
+            ))
+        self._count(row.sink, "resent" if row.status == "sent" else "sent")
+
+    def _finish(self, row: Row[Any], *, status: str, error: str | None, outcome: str,
+                sent_at: datetime | None = None, attempts: int | None = None) -> None:
+        values: dict[str, Any] = {"status": status, "last_error": error}
+        if sent_at is not None:
+            values["sent_at"] = sent_at
+        if attempts is not None:
+            values["attempts"] = attempts
+        elif status in ("sent", "resolved"):
+            values["attempts"] = row.attempts + 1  # terminal: attempts = all tries, this one included
+        with self._engine.begin() as conn:
+            conn.execute(sa.update(_T).where(_T.c.id == row.id).values(**values))
+        self._count(row.sink, outcome)
+
+    def _count(self, sink: str, outcome: str) -> None:
+        with self._lock:
+            self._stats[(sink, outcome)] += 1
+
+    # -- observability -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Deliveries by sink and outcome since this dispatcher was made (for Prometheus counters),
+        e.g. ``{"slack": {"sent": 3, "retry": 1, ...}}``; every configured sink lists every outcome."""
+        with self._lock:
+            counts = dict(self._stats)
+        names = {s.name for s in self._settings.sinks()} | {sink for sink, _ in counts}
+        return {name: {o: counts.get((name, o), 0) for o in OUTCOMES} for name in sorted(names)}
+
+    def backlog(self) -> dict[str, dict[str, int]]:
+        """Outbox rows by sink and status, read from the database (for gauges)."""
+        with self._engine.connect() as conn:
+            return backlog(conn)
+
+    # -- background thread ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run ``run_once`` every ``poll_interval_s`` in a daemon thread (no-op if already running)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="fp8guard-alerts", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the thread to stop after its current delivery and wait for it."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("alert dispatcher thread did not stop within %.0f s", timeout)
+
+    def close(self) -> None:
+        """Stop, and close the HTTP client if this dispatcher made it."""
+        self.stop()
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> AlertDispatcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._pass(self._stop)
+            except Exception:
+                # A database hiccup must not kill alerting for the life of the process.
+                log.exception("alert dispatcher pass failed; retrying in %.1f s", self._settings.poll_interval_s)
+            if self._sleep is not None:
+                self._sleep(self._settings.poll_interval_s)
+            else:
+                self._stop.wait(self._settings.poll_interval_s)

@@ -1,0 +1,70 @@
+"""``GuardConfig``: detection thresholds and policy knobs, per run (defaults documented here).
+
+Calibration: in healthy Transformer Engine DelayedScaling runs measured on an H200 (1,500
+steps, 24 FP8 modules) forward saturation ratios of 1.0-1.2 and backward (E5M2) ratios up to
+about 4 occurred routinely, on hundreds of steps: delayed scaling uses last step's scale, so
+any growth of amax clips a little for a step. A rule on ``ratio > 1`` alone would roll back
+healthy runs. The defaults therefore ask for magnitude (2x over the FP8 maximum forward, 16x
+backward), persistence (10 consecutive steps) and, for loss spikes, a robust z-score well
+outside the recent noise.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["GuardConfig"]
+
+
+class GuardConfig(BaseModel):
+    """Per-run overrides come from ``PUT /v1/runs/{id}`` (``guard``); unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dry_run: bool = False
+    """Only recommend: record decisions and alert, never send commands."""
+    # -- loss and gradient norm --
+    warmup_steps: int = Field(default=20, ge=0)
+    """No spike rule fires before this many finite values were seen (early loss falls fast)."""
+    window: int = Field(default=64, ge=8, le=4096)
+    """Steps of history for the median/MAD baseline."""
+    loss_z: float = Field(default=8.0, gt=0)
+    """Robust z-score ((x - median) / (1.4826 * MAD)) a loss must exceed to be a spike."""
+    loss_min_rise: float = Field(default=0.25, ge=0)
+    """...and the loss must also be this fraction above the median (noise-free runs have tiny MAD)."""
+    grad_z: float = Field(default=12.0, gt=0)
+    grad_min_rise: float = Field(default=2.0, ge=0)
+    """A gradient-norm spike must at least triple the median (1 + 2.0)."""
+    # -- FP8 numerics --
+    saturation_fwd: float = Field(default=2.0, gt=1)
+    """Forward (E4M3) saturation ratio counted as real clipping (healthy runs: 1.0-1.2)."""
+    saturation_bwd: float = Field(default=16.0, gt=1)
+    """Backward (E5M2) saturation ratio counted as real clipping (healthy runs: up to ~4)."""
+    saturation_steps: int = Field(default=10, ge=1)
+    """Consecutive steps a tensor must stay over its threshold: one-step overshoots are normal."""
+    amax_growth_factor: float = Field(default=8.0, gt=1)
+    """Outlier amplification: fast amax average over slow average (both in log2)."""
+    amax_growth_steps: int = Field(default=5, ge=1)
+    amax_growth_warmup: int = Field(default=50, ge=1)
+    underflow_growth_factor: float = Field(default=10.0, gt=1)
+    underflow_min: float = Field(default=1000.0, ge=0)
+    underflow_checks: int = Field(default=3, ge=1)
+    """Consecutive counted steps with underflows above factor x baseline + min."""
+    # -- policy --
+    widespread_fraction: float = Field(default=0.5, gt=0, le=1)
+    """Fall back the whole model when at least this fraction of FP8 modules is implicated."""
+    rollback_margin_steps: int = Field(default=20, ge=0)
+    """Roll back to a checkpoint at least this many steps before the anomaly's onset."""
+    known_good_after_steps: int = Field(default=20, ge=0)
+    """A checkpoint becomes known-good once this many clean steps followed it."""
+    skip_batches: int = Field(default=200, ge=0)
+    """Extra batches skipped after the bad window on rollback (PaLM skipped 200-500)."""
+    rollback_lr_scale: float = Field(default=1.0, gt=0, le=1)
+    rollback_lr_steps: int = Field(default=0, ge=0)
+    promote_after_steps: int = Field(default=500, ge=1)
+    """Clean steps in BF16 before a fallen-back module is re-promoted (with fresh FP8 state)."""
+    escalate_rollbacks: int = Field(default=3, ge=1)
+    escalate_window_steps: int = Field(default=2000, ge=1)
+    """After this many rollbacks within this many steps: whole-model BF16 and a page."""
+    cooldown_steps: int = Field(default=50, ge=0)
+    """A rule that fired on a tensor stays quiet this long (one finding per episode)."""
