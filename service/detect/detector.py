@@ -157,16 +157,17 @@ class Detector:
     def _growth(self, steps: np.ndarray[Any, Any], amaxes: np.ndarray[Any, Any]) -> list[Finding]:
         cfg = self.config
         limit = math.log2(cfg.amax_growth_factor)
-        fired: tuple[int, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
-        for i in range(amaxes.shape[0]):  # the averages are sequential in time
-            self.fast, self.slow, self.seen, growth = rules.amax_growth(self.fast, self.slow, self.seen, amaxes[i])
-            over = (growth > limit) & (self.seen >= cfg.amax_growth_warmup)
-            self.growth_run = rules.consecutive(self.growth_run, over)
-            if fired is None and (self.growth_run >= cfg.amax_growth_steps).any():
-                fired = (int(steps[i]), np.flatnonzero(self.growth_run >= cfg.amax_growth_steps), growth)
-        if fired is None or not self._cool("amax_growth", fired[0]):
+        fast, slow, seen = rules.amax_growth_block(self.fast, self.slow, self.seen, amaxes)
+        growth_all = fast - slow
+        runs = rules.consecutive(self.growth_run, (growth_all > limit) & (seen >= cfg.amax_growth_warmup))
+        self.fast, self.slow, self.seen, self.growth_run = fast[-1], slow[-1], seen[-1], runs[-1]
+        hit = np.flatnonzero((runs >= cfg.amax_growth_steps).any(axis=1))
+        if hit.size == 0:
             return []
-        step, idx, growth = fired
+        row = int(hit[0])
+        step, idx, growth = int(steps[row]), np.flatnonzero(runs[row] >= cfg.amax_growth_steps), growth_all[row]
+        if not self._cool("amax_growth", step):
+            return []
         worst = idx[np.argmax(growth[idx])]
         return [Finding(
             rule="amax_growth", severity=Severity.WARNING, step=step, onset_step=step - cfg.amax_growth_steps + 1,

@@ -1,0 +1,144 @@
+"""Detection rules and the detector: pure functions against synthetic traces."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fp8guard.service.detect import Detector, GuardConfig, RunView, TensorMeta, decide, promotions, rules
+from fp8guard.service.domain import StatBlock, StepRow
+
+
+def test_block_growth_equals_step_by_step() -> None:
+    rng = np.random.default_rng(0)
+    amax = np.exp(rng.normal(size=(300, 5)))
+    amax[5:40, 2] = np.inf
+    amax[:20, 3] = 0.0
+    amax[100:, 4] *= np.linspace(1, 1000, 200)
+    for seen0 in (0, 5):
+        fast = rng.normal(size=5) if seen0 else np.zeros(5)
+        slow, seen = fast.copy(), np.full(5, seen0)
+        f, s, n = fast.copy(), slow.copy(), seen.copy()
+        traj = []
+        for t in range(amax.shape[0]):
+            f, s, n, _ = rules.amax_growth(f, s, n, amax[t])
+            traj.append((f, s))
+        bf, bs, bn = rules.amax_growth_block(fast, slow, seen, amax)
+        np.testing.assert_allclose(bf, np.array([t[0] for t in traj]), atol=1e-9)
+        np.testing.assert_allclose(bs, np.array([t[1] for t in traj]), atol=1e-9)
+        assert (bn[-1] == n).all()
+
+
+def test_consecutive_block_equals_step_by_step() -> None:
+    rng = np.random.default_rng(1)
+    over = rng.random((50, 6)) > 0.3
+    run = np.array([0, 3, 0, 7, 1, 0])
+    ref, r = [], run.copy()
+    for t in range(50):
+        r = rules.consecutive(r, over[t])
+        ref.append(r)
+    np.testing.assert_array_equal(rules.consecutive(run, over), np.array(ref))
+
+
+def test_robust_spike_ignores_noise_and_warmup() -> None:
+    rng = np.random.default_rng(2)
+    hist = list(2.5 + 0.05 * rng.normal(size=64))
+    assert rules.robust_spike(hist[:5], 9.0, z=8, min_rise=0.25, warmup=20) is None  # warm-up
+    assert rules.robust_spike(hist, 2.6, z=8, min_rise=0.25, warmup=20) is None  # noise
+    spike = rules.robust_spike(hist, 4.0, z=8, min_rise=0.25, warmup=20)
+    assert spike is not None and spike.rise > 0.5
+    flat = [1.0] * 64  # MAD = 0 must not make every wiggle a spike
+    assert rules.robust_spike(flat, 1.001, z=8, min_rise=0.25, warmup=20) is None
+
+
+def _metas(n: int) -> list[TensorMeta]:
+    return [TensorMeta(name=f"l{i // 2}:{'bwd_grad_output' if i % 2 else 'fwd_input'}", module=f"l{i // 2}",
+                       backward=bool(i % 2)) for i in range(n)]
+
+
+def _block(steps: list[int], sat: np.ndarray, amax: np.ndarray | None = None) -> StatBlock:
+    amax = np.ones_like(sat) if amax is None else amax
+    vals = np.stack([amax, np.ones_like(sat), sat, amax], axis=1).astype(np.float32)
+    return StatBlock(stats=("amax", "scale", "saturation", "amax_history_max"), steps=np.asarray(steps), values=vals)
+
+
+def test_healthy_saturation_levels_never_fire() -> None:
+    """Forward ratios of 1.0-1.2 and backward up to ~4 on hundreds of steps are healthy TE runs."""
+    rng = np.random.default_rng(3)
+    det = Detector(GuardConfig(), _metas(8))
+    steps = list(range(1500))
+    sat = np.where(np.arange(8) % 2, rng.uniform(0.5, 4.0, (1500, 8)), rng.uniform(0.8, 1.2, (1500, 8)))
+    loss = 3.0 * np.exp(-np.arange(1500) / 700) + 0.05 * rng.normal(size=1500) + 1.0
+    rows = [StepRow(step=s, loss=float(loss[s]), grad_norm=float(1 + 0.1 * rng.random())) for s in steps]
+    found = []
+    for lo in range(0, 1500, 100):
+        found += det.observe(rows[lo:lo + 100], [_block(steps[lo:lo + 100], sat[lo:lo + 100])])
+    assert found == []
+
+
+def test_sustained_saturation_fires_once_with_evidence() -> None:
+    det = Detector(GuardConfig(), _metas(4))
+    sat = np.ones((40, 4))
+    sat[10:, 2] = 5.0  # forward tensor of module l1 clips 5x for 30 steps
+    found = det.observe([], [_block(list(range(40)), sat)])
+    assert [f.rule for f in found] == ["saturation"]
+    f = found[0]
+    assert f.modules == ("l1",) and f.onset_step == 10 and f.step == 19 and f.evidence["ratios"] == [5.0]
+    assert "l1:fwd_input" in f.explanation
+
+
+def test_state_survives_a_restart() -> None:
+    cfg = GuardConfig()
+    sat = np.ones((20, 2))
+    sat[:, 0] = 3.0
+    a = Detector(cfg, _metas(2))
+    assert a.observe([], [_block(list(range(6)), sat[:6])]) == []
+    b = Detector(cfg, _metas(2), a.state_dict())  # "service restart"
+    found = b.observe([], [_block(list(range(6, 20)), sat[6:])])
+    assert [f.onset_step for f in found] == [0]
+
+
+def test_nonfinite_and_loss_spike() -> None:
+    det = Detector(GuardConfig(warmup_steps=10), _metas(2))
+    rows = [StepRow(step=s, loss=2.0 + 0.01 * (s % 3), grad_norm=1.0) for s in range(30)]
+    rows.append(StepRow(step=30, loss=6.0, grad_norm=1.0))
+    rows.append(StepRow(step=31, loss=math.nan, grad_norm=math.inf))
+    found = det.observe(rows, [])
+    assert [f.rule for f in found] == ["loss_spike", "nonfinite"]
+    assert found[0].step == 30 and found[1].severity == "critical"
+
+
+def test_amax_growth_fires_before_saturation() -> None:
+    det = Detector(GuardConfig(), _metas(2))
+    amax = np.ones((300, 2))
+    amax[150:, 0] = np.exp2(np.linspace(0, 8, 150))  # 256x over 150 steps
+    found = det.observe([], [_block(list(range(300)), np.ones((300, 2)), amax)])
+    assert [f.rule for f in found] == ["amax_growth"] and found[0].modules == ("l0",)
+
+
+def test_policy_rollback_fallback_escalation_and_promotion() -> None:
+    cfg = GuardConfig(rollback_margin_steps=10, skip_batches=100, escalate_rollbacks=2, promote_after_steps=50)
+    det = Detector(cfg, _metas(2))
+    spike = det.observe([StepRow(step=s, loss=2.0) for s in range(30)] + [StepRow(step=30, loss=50.0)], [])
+    view = RunView(step=30, modules=["l0"], bf16={}, rollback_pending=False, known_good=[0, 10, 25],
+                   recent_rollbacks=[])
+    d = decide(spike, view, cfg)
+    assert d[0].kind == "rollback" and d[0].payload["checkpoint_step"] == 10
+    assert d[0].payload["skip_batches"] == 30 - 10 + 100
+    escalated = decide(spike, RunView(step=30, modules=["l0"], bf16={}, rollback_pending=False, known_good=[10],
+                                      recent_rollbacks=[5, 20]), cfg)
+    assert [x.kind for x in escalated] == ["fallback", "page"] and escalated[0].payload["modules"] is None
+    promo = promotions(RunView(step=100, modules=["l0", "l1"], bf16={"l0": 40, "l1": 80}, rollback_pending=False,
+                               known_good=[], recent_rollbacks=[], pinned=frozenset()), cfg)
+    assert promo[0].payload["modules"] == ["l0"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_guard_config_validation(dry_run: bool) -> None:
+    assert GuardConfig(dry_run=dry_run).dry_run is dry_run
+    with pytest.raises(ValueError, match="saturation_fwd"):
+        GuardConfig(saturation_fwd=0.5)
+    with pytest.raises(ValueError, match="extra"):
+        GuardConfig.model_validate({"nonsense": 1})
