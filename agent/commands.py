@@ -78,3 +78,6 @@ class Remediator(Protocol):
     """Applies commands to the training process (BF16 fallback, re-promotion, rollback)."""
 
     def apply(self, command: Command, *, step: int) -> Outcome: ...
+
+    def on_step(self, step: int) -> None:
+        """Called by the monitor at every step (e.g. to end a lowered-learning-rate window)."""

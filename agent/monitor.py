@@ -171,6 +171,12 @@ class Monitor:
                 self._broken = True
                 log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
                 self._next_step = current + 1
+        on_step = getattr(self.remediator, "on_step", None)
+        if on_step is not None:  # e.g. ends a lowered-learning-rate window after a rollback
+            try:
+                on_step(current)
+            except Exception:
+                log.exception("fp8guard: remediator.on_step failed")
         if (current + 1) % self.config.command_check_interval_steps == 0:
             # Every rank reaches this at the same step, whatever it reports: the broadcast in
             # _check_commands must be entered by all of them.
@@ -259,6 +265,7 @@ class Monitor:
                 self._flush()
             self.segment += 1
             self._next_step = outcome.resume_step
+            self._arm_counts_for(self._next_step)
 
     def _device_grad_norm(self) -> torch.Tensor | None:
         grads = [p.grad for p in self._params if p.grad is not None]
@@ -335,6 +342,11 @@ class Monitor:
         self.close(failed=exc is not None)
 
     # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def next_step(self) -> int:
+        """The step number the next ``step()`` call records (after a rollback: checkpoint + 1)."""
+        return self._next_step
 
     @property
     def tensors(self) -> Sequence[TensorSpec]:

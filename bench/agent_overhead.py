@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8guard.agent import Monitor, MonitorConfig, NullTransport, emulate_fp8  # noqa: E402
-from fp8guard.nanogpt import GPT, GPTConfig, TextBatches, stdlib_text  # noqa: E402
+from fp8guard.agent import Monitor, MonitorConfig, NullTransport, emulate_fp8
+from fp8guard.nanogpt import GPT, GPTConfig, TextBatches, stdlib_text
 
 
 def main() -> None:

@@ -67,6 +67,47 @@ def serve(
     uvicorn.run(service, host=host, port=port, log_level=log_level)
 
 
+@app.command()
+def demo(
+    exit_after: Annotated[bool, typer.Option("--exit", help="finish after the summary; last line is JSON")] = False,
+    compare: Annotated[bool, typer.Option(help="also train the same run unguarded, for the final loss")] = False,
+    steps: Annotated[int, typer.Option(min=200, help="training steps")] = 300,
+    seed: Annotated[int, typer.Option(help="random seed")] = 0,
+    host: Annotated[str, typer.Option(help="interface the demo service listens on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (a free one is taken if busy)")] = 8000,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Train a small GPT in emulated FP8, inject an instability, watch fp8guard heal it."""
+    import logging
+
+    from fp8guard.demo import DemoConfig, print_summary, run_demo
+
+    logging.basicConfig(level=logging.ERROR)
+    cfg = DemoConfig(steps=steps, seed=seed, host=host, port=port, compare=compare,
+                     database_url=database_url, progress=True)
+    typer.echo("fp8guard demo: a byte-level GPT on the Python standard library's sources, emulated FP8 "
+               "(E4M3/E5M2, delayed scaling). Injected: activation outliers in data batches "
+               f"{cfg.poison_start}-{cfg.poison_start + cfg.poison_batches - 1}, and a learning rate "
+               f"{cfg.lr_burst_factor:g}x too high for steps {cfg.lr_burst_start}-"
+               f"{cfg.lr_burst_start + cfg.lr_burst_steps - 1}.", err=True)
+    result = run_demo(cfg)
+    service = result.__dict__.pop("_service")
+    print_summary(result, lambda line: typer.echo(line, err=True))
+    typer.echo(f"Run: {result.url}/v1/runs/{result.run_id}   API docs: {result.url}/docs", err=True)
+    if exit_after:
+        service.close()
+        typer.echo(json.dumps(result.summary_json()))
+        return
+    typer.echo("Serving until Ctrl-C.", err=True)
+    try:
+        while service.thread.is_alive():
+            service.thread.join(timeout=1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.close()
+
+
 @db_app.command("upgrade")
 def db_upgrade(
     database_url: DatabaseUrl = None,

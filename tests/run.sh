@@ -18,6 +18,18 @@ fi
 # In CI the PostgreSQL tests must run, never skip.
 if [ "${CI:-}" = "true" ]; then export FP8GUARD_REQUIRE_POSTGRES=1; fi
 
+# Alertmanager: tests/service/test_alertmanager.py starts a real one (Debian installs the binary as
+# prometheus-alertmanager). Install it when missing; outside CI a failed install only skips those tests.
+if ! command -v alertmanager >/dev/null && ! command -v prometheus-alertmanager >/dev/null; then
+  SUDO=""
+  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo -n"; fi
+  if ! { command -v apt-get >/dev/null && $SUDO apt-get update -qq \
+         && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-alertmanager; }; then
+    if [ "${CI:-}" = "true" ]; then echo "cannot install prometheus-alertmanager" >&2; exit 1; fi
+    echo "warning: could not install prometheus-alertmanager; the Alertmanager tests will skip" >&2
+  fi
+fi
+
 # A virtualenv of the project's own: torch is the CPU build that lies on this disk (pinned, so pip
 # never reaches for a multi-GB CUDA build), then the project with its dev extra.
 PY=${PYTHON:-python3}

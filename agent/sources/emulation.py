@@ -71,6 +71,10 @@ class EmulationSource:
             out[HISTORY_MAX].copy_(self._columns(
                 [m.amax_history_fwd[:, :2].amax(dim=0) for m in mods],
                 [m.amax_history_bwd[:, :1].amax(dim=0) for m in mods]))
+        if not all(m.fp8_enabled for m in mods):
+            # A module in BF16 casts nothing: report amax 0 ("not measured"), not its frozen history.
+            on = torch.tensor([m.fp8_enabled for m in mods for _ in _OPERANDS], device=out.device)
+            out[AMAX].mul_(on)
         out[SCALE].copy_(self._scale_in_use)
         self._scale_in_use.copy_(self._current_scales())
 

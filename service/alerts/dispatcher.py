@@ -118,6 +118,11 @@ class AlertDispatcher:
             .order_by(_T.c.next_attempt_at, _T.c.id)
             .limit(self._batch_size)
         )
+        # A read-only probe first: on SQLite every UPDATE takes the database's only write lock,
+        # and an idle outbox should not contend with ingest once per poll interval.
+        with self._engine.connect() as conn:
+            if conn.execute(due.with_only_columns(_T.c.id).limit(1)).first() is None:
+                return []
         if self._postgres:
             due = due.with_for_update(skip_locked=True)
         # Sends are sequential, so the last claimed row may wait for all the others' timeouts.

@@ -130,8 +130,11 @@ def webhook_request(sink: WebhookSink, delivery: Delivery, settings: AlertSettin
     return OutboundRequest(url=sink.url, body=body, headers=headers, final=True)
 
 
-def _mrkdwn_escape(text: str) -> str:
-    # Slack's three control characters; everything else is literal in mrkdwn text objects.
+def _mrkdwn_escape(text: str, limit: int = 2000) -> str:
+    # Slack's three control characters; everything else is literal in mrkdwn text objects. Block
+    # text is capped (3000 characters per section), so long input is clipped rather than rejected.
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
@@ -142,7 +145,7 @@ def slack_payload(alert: Alert, link: str | None) -> dict[str, Any]:
     text = f"{state}FP8Guard {_title(alert.kind)} ({alert.severity}) {where}: {alert.summary}"
     emoji = ":white_check_mark:" if alert.resolved else _SEVERITY_EMOJI[alert.severity]
     head = f"{emoji} *{state}FP8Guard {_title(alert.kind)}* ({alert.severity})"
-    fields = [{"type": "mrkdwn", "text": f"*Run*\n`{_mrkdwn_escape(alert.run_id)}`"}]
+    fields = [{"type": "mrkdwn", "text": f"*Run*\n`{_mrkdwn_escape(alert.run_id, 200)}`"}]
     if alert.step is not None:
         fields.append({"type": "mrkdwn", "text": f"*Step*\n{alert.step}"})
     blocks: list[dict[str, Any]] = [
@@ -250,7 +253,7 @@ def send(client: httpx.Client, request: OutboundRequest, *, timeout_s: float, no
     try:
         response = client.post(request.url, content=request.body, headers=request.headers,
                                timeout=timeout_s, follow_redirects=False)
-    except httpx.HTTPError as exc:
+    except Exception as exc:  # transport errors, invalid URLs...: a failed attempt, never a crash
         return SendResult(ok=False, error=f"{type(exc).__name__}: {exc}"[:1000])
     code = response.status_code
     if 200 <= code < 300:

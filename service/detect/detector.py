@@ -159,8 +159,14 @@ class Detector:
         limit = math.log2(cfg.amax_growth_factor)
         fast, slow, seen = rules.amax_growth_block(self.fast, self.slow, self.seen, amaxes)
         growth_all = fast - slow
-        runs = rules.consecutive(self.growth_run, (growth_all > limit) & (seen >= cfg.amax_growth_warmup))
+        # Only steps that measured an amax count: a module in BF16 records none, and its stale
+        # averages must not keep "growing" (nor keep blocking its re-promotion).
+        measured = np.isfinite(amaxes) & (amaxes > 0)
+        runs = rules.consecutive(self.growth_run, (growth_all > limit) & (seen >= cfg.amax_growth_warmup) & measured)
         self.fast, self.slow, self.seen, self.growth_run = fast[-1], slow[-1], seen[-1], runs[-1]
+        # A tensor that stopped being measured (its module fell back to BF16) starts a fresh
+        # baseline when it comes back: growth is judged against its own FP8 period.
+        self.seen = np.where(measured[-1], self.seen, 0)
         hit = np.flatnonzero((runs >= cfg.amax_growth_steps).any(axis=1))
         if hit.size == 0:
             return []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pybase64
@@ -172,3 +172,28 @@ def events(
     kinds = [str(k) for k in kind or ()]
     return [EventOut(id=e.id or 0, kind=e.kind, step=e.step, time=e.time, rank=e.rank, segment=e.segment,
                      data=e.data) for e in store.events(run_id, kinds=kinds, start=start, end=end, limit=limit)]
+
+
+@router.get("/{run_id}/findings", summary="What detection saw: rule, severity, evidence, explanation")
+def findings(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
+    return store.findings(run_id)
+
+
+@router.get("/{run_id}/actions", summary="Every policy decision with its reason and status")
+def actions(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
+    return store.actions(run_id)
+
+
+@router.get("/{run_id}/commands", summary="Pending remediation commands (also sent with every ingest answer)")
+def commands(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
+    return store.commands(run_id)
+
+
+@router.get("/{run_id}/precision", summary="Each FP8 module's current precision and since when")
+def precision(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
+    return store.precision(run_id)
+
+
+@router.get("/{run_id}/checkpoints", summary="Checkpoints the agent reported, with known-good marks")
+def checkpoints(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
+    return store.checkpoints(run_id)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -149,6 +150,33 @@ class Store:
         with self._session() as s:
             conn = s.connection()
             return reader.event_list(conn, reader.run_pk(conn, run_id), kinds=kinds, start=start, end=end, limit=limit)
+
+    def findings(self, run_id: str) -> list[dict[str, Any]]:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.finding_list(conn, reader.run_pk(conn, run_id))
+
+    def actions(self, run_id: str) -> list[dict[str, Any]]:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.action_list(conn, reader.run_pk(conn, run_id))
+
+    def precision(self, run_id: str) -> list[dict[str, Any]]:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.precision_list(conn, reader.run_pk(conn, run_id))
+
+    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        with self._session() as s:
+            conn = s.connection()
+            return reader.checkpoint_list(conn, reader.run_pk(conn, run_id))
+
+    def commands(self, run_id: str) -> list[dict[str, Any]]:
+        from fp8guard.service.store.guard import pending_commands
+
+        with self._session() as s:
+            conn = s.connection()
+            return pending_commands(conn, reader.run_pk(conn, run_id))
 
     def ping(self) -> None:
         with self._session() as s:

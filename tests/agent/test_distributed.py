@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench._serve import serve  # noqa: E402
+from bench._serve import serve
 
 
 @pytest.mark.slow

@@ -190,7 +190,7 @@ def verify_standard_webhook(req: Received, secret: str, now: datetime, tolerance
 
 
 def test_settings_validation_messages_are_actionable() -> None:
-    with pytest.raises(ValidationError, match="must start with 'whsec_'.*generate one with"):
+    with pytest.raises(ValidationError, match=r"must start with 'whsec_'.*generate one with"):
         WebhookSink(url="https://x.example/h", secret="hunter2")
     with pytest.raises(ValidationError, match="not valid base64"):
         WebhookSink(url="https://x.example/h", secret="whsec_@@@")

@@ -1,0 +1,460 @@
+"""``Remediator``: applies the service's commands to the training process: BF16 fallback,
+re-promotion to FP8 and checkpoint rollback.
+
+    ckpts = CheckpointManager("ckpt/", model=model, optimizer=opt, scheduler=sched,
+                              data_state=lambda: {"position": data.position},
+                              load_data_state=lambda s: setattr(data, "position", s["position"]))
+    remediator = Remediator(checkpoints=ckpts)
+    monitor = Monitor(MonitorConfig(url=..., run_id=...)).attach(model, opt, remediator=remediator)
+    step = 0
+    while step < total:
+        x, y = data.next()
+        loss = model(x, y); loss.backward(); fp8.update()
+        remediator.on_step(step)          # ends an LR-scaling window (before optimizer.step)
+        monitor.step(loss, step=step)     # may apply a command, on every rank at the same step
+        resume = remediator.take_resume_step()
+        if resume is not None:            # rolled back: this iteration belongs to the abandoned stretch
+            step = resume
+            continue
+        opt.step(); sched.step(); opt.zero_grad()
+        ckpts.maybe_save(step, extra={"monitor": monitor.state_dict()})
+        step += 1
+
+What each command does:
+
+* ``fallback``: every FP8 module named in ``command.modules`` (None: the whole model; a name
+  may also be a parent, e.g. ``blocks.3``, meaning every FP8 module under it) computes in high
+  precision from now on. Through every source with ``set_fp8(modules, enabled)`` (the
+  emulation's); for torchao, a ``Float8Linear`` (a subclass of ``nn.Linear``) gets an instance
+  ``forward`` that is ``nn.Linear.forward``, so it runs the plain GEMM (torchao is never
+  imported: modules are recognised by class name). Without ``sources`` the remediator finds
+  emulated and torchao modules on the model itself.
+* ``promote``: the same modules go back to FP8 with a fresh FP8 state (amax history zeroed,
+  scales 1), because the stale history of the incident would otherwise pin the scale. torchao
+  scales dynamically, so it has no state to reset.
+* ``rollback``: restores the checkpoint of ``command.checkpoint_step`` in place (model, FP8
+  metadata, optimizer, scheduler, RNG, data position), clears the gradients (so an
+  ``optimizer.step()`` that still follows in this iteration changes nothing), advances the data
+  position by ``command.skip_batches`` (the data-state contract of
+  :mod:`fp8guard.agent.checkpoint`: ``data_state()["position"]`` is the next batch's index),
+  deletes this rank's checkpoints after the restored step (the abandoned timeline, so a restart
+  never resumes from it), and scales the learning rate by ``command.lr_scale`` for
+  ``command.lr_scale_steps`` steps. Training continues at ``checkpoint_step + 1``: the Monitor
+  moves its step counter there; the loop reads it from :meth:`Remediator.take_resume_step`.
+
+Learning-rate scaling: with ``lr_schedule_hook`` the hook is called as ``hook(lr_scale,
+lr_scale_steps)`` and owns the change. Otherwise every param group's ``lr`` (and the
+scheduler's ``base_lrs``, so closed-form schedulers such as LambdaLR keep the factor) is
+multiplied by ``lr_scale``, and :meth:`Remediator.on_step` undoes it at step ``resume_step +
+lr_scale_steps``: call ``on_step(step)`` once per step before ``optimizer.step()``. Schedulers
+that keep the learning rate elsewhere (OneCycleLR's ``max_lr``) need the hook. A checkpoint
+saved while a window is open holds the scaled rate.
+
+Under torch.distributed (initialised, world size > 1) ``apply`` must run on every rank at the
+same step, which the Monitor guarantees: the ranks agree through ``all_gather_object`` (a few
+small collectives, only when a command is applied) so that every rank gives the same outcome.
+A rollback whose checkpoint is missing or unreadable on any rank is applied on none; a module
+name counts as unknown only when no rank has it (pipeline stages hold different modules).
+
+``apply`` never raises: problems come back as ``Outcome("failed", error=...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fp8guard.agent.checkpoint import CheckpointManager
+from fp8guard.agent.commands import Command, Outcome
+from fp8guard.agent.sources.base import Source
+from fp8guard.agent.sources.emulation import EmulationSource
+
+__all__ = ["Remediator", "SwitchableSource"]
+
+log = logging.getLogger("fp8guard.agent")
+
+_TORCHAO_CLASS = "Float8Linear"
+
+
+@runtime_checkable
+class SwitchableSource(Protocol):
+    """A source that can switch its modules between FP8 and high precision."""
+
+    kind: str
+
+    def tensors(self) -> Sequence[Any]: ...
+
+    def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None: ...
+
+
+@dataclass(slots=True)
+class _Switch:
+    kind: str
+    names: frozenset[str]
+    set_fp8: Callable[[Sequence[str], bool], None]
+
+
+@dataclass(slots=True)
+class _LrWindow:
+    scale: float
+    until: int
+    """First step that runs with the original learning rate again."""
+    groups: list[tuple[Any, Any]] = field(default_factory=list)
+    """(original, written) lr per param group."""
+    base_lrs: list[tuple[Any, Any]] | None = None
+    """(original, written) per entry of the scheduler's base_lrs."""
+
+
+class Remediator:
+    """Applies fallback, promotion and rollback commands; see the module docstring.
+
+    ``sources``: the monitor's sources (``monitor.sources``) or empty to find emulated and
+    torchao modules on the model. ``checkpoints``: needed for rollback. ``optimizer``: whose
+    learning rate a rollback scales (default: the CheckpointManager's). ``model``: where to
+    look for FP8 modules (default: the CheckpointManager's; a DDP wrapper is looked through);
+    names are qualified names in it, as the Monitor reports them. ``sync_ranks=False`` skips
+    the cross-rank agreement (only for calling ``apply`` on one rank by hand).
+    """
+
+    def __init__(
+        self,
+        *,
+        sources: Sequence[Source] = (),
+        checkpoints: CheckpointManager | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_schedule_hook: Callable[[float, int], None] | None = None,
+        model: nn.Module | None = None,
+        sync_ranks: bool = True,
+    ) -> None:
+        if checkpoints is not None and not isinstance(checkpoints, CheckpointManager):
+            raise ValueError(f"checkpoints must be a CheckpointManager or None, got {type(checkpoints).__name__}")
+        if lr_schedule_hook is not None and not callable(lr_schedule_hook):
+            raise ValueError("lr_schedule_hook must be a callable (lr_scale, lr_scale_steps) -> None, or None")
+        self._sources = list(sources)
+        self.checkpoints = checkpoints
+        self._optimizer = optimizer
+        self._lr_hook = lr_schedule_hook
+        self._model = model
+        self._sync = sync_ranks
+        self._switches: list[_Switch] | None = None
+        self._window: _LrWindow | None = None
+        self._resume: int | None = None
+
+    @property
+    def sources(self) -> list[Source]:
+        return list(self._sources)
+
+    @sources.setter
+    def sources(self, sources: Sequence[Source]) -> None:
+        """E.g. ``remediator.sources = monitor.sources`` after ``Monitor.attach``."""
+        self._sources = list(sources)
+        self._switches = None  # found again at the next command
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    def apply(self, command: Command, *, step: int) -> Outcome:
+        """Apply ``command`` at ``step`` (on every rank at the same step); never raises."""
+        try:
+            if command.kind == "fallback":
+                return self._switch(command, enabled=False)
+            if command.kind == "promote":
+                return self._switch(command, enabled=True)
+            if command.kind == "rollback":
+                return self._rollback(command, step)
+            return Outcome("ignored", error=f"unknown command kind {command.kind!r}")
+        except Exception as exc:  # a remediation must never take training down
+            log.exception("fp8guard: applying %s command %s failed", command.kind, command.id)
+            return Outcome("failed", error=f"{type(exc).__name__}: {exc}")
+
+    # -- the loop's hooks ------------------------------------------------------------------------
+
+    def on_step(self, step: int) -> None:
+        """Call once per step, before ``optimizer.step()``: ends an LR-scaling window when
+        ``step`` reaches its end. Cheap (no device work unless a window ends); never raises."""
+        window = self._window
+        if window is None or step < window.until:
+            return
+        try:
+            self._end_lr_window(restore=True)
+            log.warning("fp8guard: learning rate back to normal at step %d after a rollback", step)
+        except Exception:
+            log.exception("fp8guard: restoring the learning rate after a rollback failed")
+
+    def take_resume_step(self) -> int | None:
+        """The step to continue from after a rollback applied since the last call, else None."""
+        resume, self._resume = self._resume, None
+        return resume
+
+    @property
+    def lr_scaled_until(self) -> int | None:
+        """First step that runs with the original learning rate again, while a window is open."""
+        return self._window.until if self._window is not None else None
+
+    # -- fallback / promotion --------------------------------------------------------------------
+
+    def _switch(self, command: Command, *, enabled: bool) -> Outcome:
+        wanted = command.modules
+        error: str | None = None
+        selected: set[str] = set()
+        unknown: list[str] = []
+        knows_any = False
+        try:
+            switches = self._find_switches()
+            known = frozenset[str]().union(*(s.names for s in switches))
+            knows_any = bool(known)
+            if wanted is not None:
+                if not wanted:
+                    error = "the command names no modules (send modules=null for the whole model)"
+                for name in wanted:
+                    matched = _resolve(name, known)
+                    if matched:
+                        selected |= matched
+                    else:
+                        unknown.append(name)
+            else:
+                selected = set(known)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        views = self._gather((error, unknown, knows_any))
+        errors = [(r, e) for r, (e, _, _) in enumerate(views) if e]
+        if errors:
+            return Outcome("failed", error=_per_rank(errors))
+        if wanted is not None:
+            nowhere = sorted(set.intersection(*(set(u) for _, u, _ in views)))
+            if nowhere:
+                sample = sorted(frozenset[str]().union(*(s.names for s in self._find_switches())))[:8]
+                return Outcome("failed", error=(
+                    f"unknown FP8 module(s) {nowhere}: no rank has a switchable FP8 module of that name or under "
+                    f"it (names look like {sample}; switchable are emulated and torchao modules and those of "
+                    f"sources with set_fp8)"))
+        elif not any(k for _, _, k in views):
+            return Outcome("failed", error="no FP8 module to switch: no source supports set_fp8 and the model has "
+                                           "no emulated or torchao FP8 modules (pass Remediator(sources=monitor."
+                                           "sources) or model=)")
+        error = None
+        try:
+            for sw in self._find_switches():
+                names = sorted(selected & sw.names)
+                if names:
+                    sw.set_fp8(names, enabled)
+        except Exception as exc:
+            log.exception("fp8guard: switching FP8 modules failed")
+            error = f"{type(exc).__name__}: {exc}"
+        errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        if errors:
+            return Outcome("failed", error=_per_rank(errors))
+        details: dict[str, Any] = {"precision": "fp8" if enabled else "bf16", "switched_modules": len(selected)}
+        if wanted is not None:
+            details["modules"] = sorted(selected)  # parents expanded to the FP8 modules they hold
+        return Outcome("applied", details=details)
+
+    def _find_switches(self) -> list[_Switch]:
+        if self._switches is not None:
+            return self._switches
+        found: list[_Switch] = []
+        for src in self._sources:
+            setter = getattr(src, "set_fp8", None)
+            if callable(setter):
+                names = frozenset(spec.module for spec in src.tensors())
+                found.append(_Switch(kind=src.kind, names=names, set_fp8=setter))
+        kinds = {s.kind for s in found}
+        model = self._root_model()
+        if model is not None:
+            if "emulation" not in kinds:
+                emulation = EmulationSource.discover(model)  # hook-free, cheap
+                if emulation is not None:
+                    found.append(_Switch(kind="emulation", names=frozenset(s.module for s in emulation.tensors()),
+                                         set_fp8=emulation.set_fp8))
+            if "torchao" not in kinds:
+                torchao = {name: m for name, m in model.named_modules()
+                           if type(m).__name__ == _TORCHAO_CLASS and isinstance(m, nn.Linear)}
+                if torchao:
+                    found.append(_Switch(kind="torchao", names=frozenset(torchao),
+                                         set_fp8=functools.partial(_set_torchao_fp8, torchao)))
+        self._switches = found
+        return found
+
+    def _root_model(self) -> nn.Module | None:
+        model = self._model if self._model is not None else (
+            self.checkpoints.model if self.checkpoints is not None else None)
+        # Look through DDP / DataParallel: the Monitor names modules of the model inside.
+        while model is not None and isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+            model = model.module
+        return model
+
+    # -- rollback --------------------------------------------------------------------------------
+
+    def _rollback(self, command: Command, step: int) -> Outcome:
+        ck = self.checkpoints
+        target = command.checkpoint_step
+        # Checks that come out the same on every rank need no agreement.
+        if ck is None:
+            return Outcome("failed", error="rollback needs Remediator(checkpoints=CheckpointManager(...))")
+        if target is None or target < 0:
+            return Outcome("failed", error=f"rollback needs a checkpoint_step >= 0, got {target!r}")
+        if target > step:
+            return Outcome("failed", error=f"checkpoint step {target} is after the current step {step}; "
+                                           "a rollback only goes back")
+        skip, scale, scale_steps = command.skip_batches, command.lr_scale, command.lr_scale_steps
+        if skip < 0:
+            return Outcome("failed", error=f"skip_batches must be >= 0, got {skip}")
+        if skip > 0 and not ck.restores_data:
+            return Outcome("failed", error=f"cannot skip {skip} batches: the CheckpointManager has no "
+                                           "data_state/load_data_state hooks")
+        if not (math.isfinite(scale) and scale > 0) or scale_steps < 0:
+            return Outcome("failed", error=f"lr_scale must be a finite number > 0 and lr_scale_steps >= 0, got "
+                                           f"{scale} and {scale_steps}")
+        scaling = scale != 1.0 and scale_steps > 0
+        if scaling and self._lr_hook is None and self._lr_optimizer() is None:
+            return Outcome("failed", error="lr scaling needs an optimizer (Remediator(optimizer=...) or the "
+                                           "CheckpointManager's) or an lr_schedule_hook")
+
+        # Phase 1: every rank reads and validates its file; restore only if all of them can.
+        payload: dict[str, Any] | None = None
+        error: str | None = None
+        try:
+            payload = ck.read(target)
+        except Exception as exc:
+            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        if errors:
+            return Outcome("failed", error=f"rollback to step {target} applied on no rank: {_per_rank(errors)}")
+        assert payload is not None
+
+        # Phase 2: restore in place.
+        details: dict[str, Any] = {"checkpoint_step": target, "resume_step": target + 1, "skip_batches": skip}
+        try:
+            self._end_lr_window(restore=False)  # the restored optimizer carries the unscaled rate
+            ck.restore(payload)
+            self._clear_grads()
+            details["data_position"] = ck.skip_batches(skip) if skip else ck.data_position()
+            details["discarded_checkpoints"] = ck.discard_after(target)
+            if scaling:
+                details.update(self._start_lr_window(scale, scale_steps, resume=target + 1))
+        except Exception as exc:
+            log.exception("fp8guard: restoring the checkpoint of step %d failed", target)
+            error = f"{type(exc).__name__}: {exc}"
+        errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        if errors:
+            return Outcome("failed", error=(
+                f"rollback to step {target} failed while restoring on {_per_rank(errors)}; the other ranks "
+                f"restored, so the ranks no longer hold the same state: stop the job and restart it from "
+                f"the checkpoint of step {target}"))
+        self._resume = target + 1
+        return Outcome("applied", resume_step=target + 1, details=details)
+
+    def _clear_grads(self) -> None:
+        # Gradients of the abandoned step would otherwise move the restored weights in the
+        # optimizer.step() that the loop may still run in this iteration; a None grad is skipped.
+        model = self.checkpoints.model if self.checkpoints is not None else None
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+        opt = self._lr_optimizer()
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+
+    # -- learning-rate window --------------------------------------------------------------------
+
+    def _lr_optimizer(self) -> torch.optim.Optimizer | None:
+        if self._optimizer is not None:
+            return self._optimizer
+        return self.checkpoints.optimizer if self.checkpoints is not None else None
+
+    def _scheduler_base_lrs(self) -> list[Any] | None:
+        sched = self.checkpoints.scheduler if self.checkpoints is not None else None
+        base = getattr(sched, "base_lrs", None)
+        return base if isinstance(base, list) else None
+
+    def _start_lr_window(self, scale: float, steps: int, *, resume: int) -> dict[str, Any]:
+        info: dict[str, Any] = {"lr_scale": scale, "lr_scale_steps": steps, "lr_restore_step": resume + steps}
+        if self._lr_hook is not None:
+            self._lr_hook(scale, steps)
+            return {**info, "lr_scaled_by": "hook"}
+        opt = self._lr_optimizer()
+        assert opt is not None  # checked before restoring
+        window = _LrWindow(scale=scale, until=resume + steps)
+        for group in opt.param_groups:
+            original, group["lr"] = _scaled(group["lr"], scale)
+            window.groups.append((original, group["lr"]))
+        base = self._scheduler_base_lrs()
+        if base is not None:
+            window.base_lrs = []
+            for i, value in enumerate(base):
+                original, base[i] = _scaled(value, scale)
+                window.base_lrs.append((original, base[i]))
+        self._window = window
+        return {**info, "lr_scaled_by": "param_groups"}
+
+    def _end_lr_window(self, *, restore: bool) -> None:
+        window, self._window = self._window, None
+        if window is None or not restore:
+            return
+        opt = self._lr_optimizer()
+        if opt is not None:
+            for group, (original, written) in zip(opt.param_groups, window.groups, strict=False):
+                group["lr"] = _unscaled(group["lr"], original, written, window.scale)
+        base = self._scheduler_base_lrs()
+        if base is not None and window.base_lrs is not None:
+            for i, (original, written) in enumerate(window.base_lrs[:len(base)]):
+                base[i] = _unscaled(base[i], original, written, window.scale)
+
+    # -- agreement across ranks ------------------------------------------------------------------
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order (just ``[value]`` outside torch.distributed)."""
+        if not (self._sync and dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return [value]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _resolve(name: str, known: Iterable[str]) -> set[str]:
+    """The FP8 modules ``name`` denotes: itself, or every one under it if it is a parent."""
+    prefix = f"{name}."
+    return {k for k in known if k == name or k.startswith(prefix) or name == ""}
+
+
+def _per_rank(errors: list[tuple[int, str]]) -> str:
+    if len(errors) == 1 and errors[0][0] == 0:
+        return errors[0][1]
+    return "; ".join(f"rank {r}: {e}" for r, e in errors)
+
+
+def _set_torchao_fp8(modules: Mapping[str, nn.Linear], names: Sequence[str], enabled: bool) -> None:
+    """torchao fallback: an instance ``forward`` that is plain ``nn.Linear.forward`` shadows
+    Float8Linear's; deleting it re-promotes. Hooks keep running (telemetry continues)."""
+    for name in names:
+        module = modules[name]
+        if enabled:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = functools.partial(nn.Linear.forward, module)
+
+
+def _scaled(value: Any, scale: float) -> tuple[Any, Any]:
+    """(original, scaled) of a learning rate."""
+    if isinstance(value, torch.Tensor):  # a tensor lr (capturable optimizers) is updated in place
+        return value.clone(), value.mul_(scale)
+    return value, value * scale
+
+
+def _unscaled(current: Any, original: Any, written: Any, scale: float) -> Any:
+    """Back to ``original`` if nobody touched the value we wrote; else undo our factor and keep
+    what a (chainable) scheduler did meanwhile."""
+    if isinstance(current, torch.Tensor):
+        return current.div_(scale)
+    if current == written:
+        return original
+    return current / scale
