@@ -10,6 +10,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from fp8guard import __version__
+from fp8guard.service.alerts.dispatcher import AlertDispatcher
+from fp8guard.service.alerts.hook import OutboxAlerts
 from fp8guard.service.errors import install_handlers
 from fp8guard.service.routes import health, ingest, runs
 from fp8guard.service.schemas import IngestBatchIn
@@ -23,11 +25,17 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     """Build the service. ``store`` may be passed in (tests); otherwise it is opened from
     ``settings.database_url`` and the schema is checked now, so a bad database fails fast."""
     settings = settings or Settings()
+    owns_store = store is None
     store = store or Store.open(settings.database_url, check_schema=settings.check_schema)
+    store.alert_hook = OutboxAlerts(settings.alerts)
+    dispatcher = AlertDispatcher(store.engine, settings.alerts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if owns_store:  # a store handed in by a test drives its own dispatcher, if any
+            dispatcher.start()
         yield
+        dispatcher.close()
         store.close()
 
     app = FastAPI(
@@ -38,6 +46,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     )
     app.state.settings = settings
     app.state.store = store
+    app.state.alerts = dispatcher
     install_handlers(app)
     app.include_router(health.router)
     app.include_router(ingest.router)

@@ -9,6 +9,8 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 
+from fp8guard.service.alerts.config import AlertSettings
+
 __all__ = ["Settings", "default_database_url"]
 
 
@@ -21,7 +23,7 @@ class Settings(BaseSettings):
     """Everything the service can be told. ``create_app(Settings(...))`` in code and tests;
     environment variables (``FP8GUARD_DATABASE_URL``...) for deployments."""
 
-    model_config = SettingsConfigDict(env_prefix="FP8GUARD_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="FP8GUARD_", env_nested_delimiter="__", extra="forbid")
 
     database_url: str = Field(default_factory=default_database_url)
     """SQLAlchemy URL: ``sqlite:///path.db`` (default) or ``postgresql://user@host/db`` (psycopg 3)."""
@@ -31,6 +33,9 @@ class Settings(BaseSettings):
     """Largest body after gunzip, a guard against compression bombs."""
     max_width: int = Field(default=20_000, ge=1)
     """Most columns a downsampled query may ask for."""
+    alerts: AlertSettings = Field(default_factory=AlertSettings)
+    """Where alerts go: ``FP8GUARD_ALERTS__WEBHOOKS='[{"url": ..., "secret": "whsec_..."}]'``,
+    ``FP8GUARD_ALERTS__SLACK``, ``FP8GUARD_ALERTS__ALERTMANAGER`` (see ``service/alerts/config.py``)."""
     check_schema: bool = True
     """Refuse to start unless the schema is at the newest migration (turn off only in tests)."""
 
