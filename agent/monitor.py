@@ -38,7 +38,7 @@ from fp8guard.agent.sources.base import COUNT_STATS, STATS, Source, TensorSpec
 from fp8guard.agent.telemetry import GRAD_NORM, LOSS, FlushPacket, StepRing
 from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "device_grad_norm"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -268,12 +268,7 @@ class Monitor:
             self._arm_counts_for(self._next_step)
 
     def _device_grad_norm(self) -> torch.Tensor | None:
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return None
-        norms = torch._foreach_norm(grads)
-        total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-        return total
+        return device_grad_norm(self._params)
 
     def _arm_counts_for(self, step: int) -> None:
         every = self.config.count_interval_steps
@@ -365,6 +360,16 @@ class Monitor:
         self._next_step = int(state["next_step"])
         self.segment = int(state["segment"])
         self._applied_ids |= set(state.get("applied_commands", []))
+
+
+def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
+    """Global L2 norm of the gradients, computed on the device (no host sync); None without grads."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    norms = torch._foreach_norm(grads)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    return total
 
 
 def _as_scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,14 @@ PUBLIC = {
         "encode_float", "gzip_body", "make_batch", "new_batch_id", "tensor_stats_block",
     ],
     "fp8guard.service.store": ["Store", "Window", "make_engine", "upgrade", "verify_schema"],
+    "fp8guard.agent": [
+        "AgentError", "ConfigError", "EmulationConfig", "Fp8Emulation", "HttpTransport", "JsonlFileTransport",
+        "Monitor", "MonitorConfig", "NullTransport", "RunInfo", "Source", "SourceUnavailable", "TensorSpec",
+        "Transport", "emulate_fp8", "watch",
+    ],
+    "fp8guard.service.detect": [
+        "Decision", "Detector", "Finding", "GuardConfig", "RunView", "Severity", "TensorMeta", "decide", "promotions",
+    ],
 }
 
 

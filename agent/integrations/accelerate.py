@@ -22,7 +22,6 @@ which reads it from the file before attaching.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
+from fp8guard.agent.integrations._common import STATE_FILE, read_state, write_state
 from fp8guard.agent.monitor import Monitor
 from fp8guard.agent.transport import Transport
 
@@ -37,7 +37,6 @@ __all__ = ["STATE_FILE", "attach_accelerate"]
 
 log = logging.getLogger("fp8guard.agent")
 
-STATE_FILE = "fp8guard_monitor.json"
 """Written into every ``save_state`` folder; holds ``Monitor.state_dict()``."""
 
 
@@ -55,7 +54,7 @@ def attach_accelerate(
     checkpoints; returns the Monitor, whose ``step(loss)`` the loop calls. Configuration errors
     raise here, nothing later does."""
     config = config or MonitorConfig()
-    restored = _read_state(os.fspath(resume_from)) if resume_from is not None else None
+    restored = read_state(os.fspath(resume_from)) if resume_from is not None else None
     if restored is not None and config.run_id is None:
         config = dataclasses.replace(config, run_id=str(restored["run_id"]))
     monitor = Monitor(config, transport=transport)
@@ -74,14 +73,14 @@ def attach_accelerate(
         # A monitoring problem must not fail the user's checkpoint.
         try:
             if accelerator.is_main_process:
-                _write_state(output_dir, monitor.state_dict())
+                write_state(output_dir, monitor.state_dict())
             monitor.event(wire.EventKind.CHECKPOINT_SAVED, data={"path": os.fspath(output_dir)})
         except Exception:
             log.exception("fp8guard: could not record the checkpoint in %s", output_dir)
 
     def load_hook(models: list[Any], input_dir: str) -> None:
         try:
-            state = _read_state(os.fspath(input_dir))
+            state = read_state(os.fspath(input_dir))
             if state is None:
                 log.info("fp8guard: %s has no %s; step numbering continues as it was", input_dir, STATE_FILE)
                 return
@@ -99,20 +98,3 @@ def attach_accelerate(
     return monitor
 
 
-def _read_state(folder: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(folder, STATE_FILE), encoding="utf-8") as f:
-            state = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning("fp8guard: ignoring unreadable %s in %s: %s", STATE_FILE, folder, exc)
-        return None
-    return state if isinstance(state, dict) and "run_id" in state else None
-
-
-def _write_state(folder: str, state: dict[str, Any]) -> None:
-    path = os.path.join(folder, STATE_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(path + ".tmp", path)  # never a half-written file in a checkpoint

@@ -45,7 +45,6 @@ dies stays ``running`` unless the script closes it::
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -58,7 +57,8 @@ from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
-from fp8guard.agent.monitor import Monitor
+from fp8guard.agent.integrations._common import STATE_FILE, align_rank, read_state, write_state
+from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
 try:
@@ -71,7 +71,6 @@ __all__ = ["STATE_FILE", "FP8GuardTrainerCallback"]
 
 log = logging.getLogger("fp8guard.agent")
 
-STATE_FILE = "fp8guard_monitor.json"
 """Written into every checkpoint folder; holds ``Monitor.state_dict()``."""
 
 
@@ -122,7 +121,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         restored = None
         if state.global_step > 0:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            restored = _read_state(folder)
+            restored = read_state(folder)
             if restored is None:
                 log.info("fp8guard: resumed at step %d without %s in %s; set MonitorConfig(run_id=...) to "
                          "continue the same run", state.global_step, STATE_FILE, folder)
@@ -133,7 +132,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         if restored is not None:
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
         monitor.attach(model, optimizer, remediator=self._remediator)
-        _align_rank(monitor, int(args.process_index), int(args.world_size))
+        align_rank(monitor, int(args.process_index), int(args.world_size), "the Trainer")
         self.monitor, self._live = monitor, True
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
@@ -194,7 +193,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         norm = None
         try:
             if self.config.compute_grad_norm and not self._clipping:
-                norm = _grad_norm(self._params)
+                norm = device_grad_norm(self._params)
             groups = getattr(optimizer, "param_groups", None)
             lr = groups[0].get("lr") if groups else None
         except Exception:  # monitoring must never take training down
@@ -230,7 +229,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         try:
             if args.should_save and os.path.isdir(folder):
-                _write_state(folder, monitor.state_dict())
+                write_state(folder, monitor.state_dict())
         except OSError as exc:  # the checkpoint itself is saved; only the run id is not kept
             log.warning("fp8guard: cannot write %s into %s: %s", STATE_FILE, folder, exc)
         # A checkpoint at global_step G holds the weights after steps 0..G-1.
@@ -238,38 +237,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                       data={"path": folder, "global_step": state.global_step})
 
 
-def _read_state(folder: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(folder, STATE_FILE), encoding="utf-8") as f:
-            state = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning("fp8guard: ignoring unreadable %s in %s: %s", STATE_FILE, folder, exc)
-        return None
-    return state if isinstance(state, dict) and "run_id" in state else None
 
 
-def _write_state(folder: str, state: dict[str, Any]) -> None:
-    path = os.path.join(folder, STATE_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(path + ".tmp", path)  # never a half-written file in a checkpoint
 
 
-def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
-    """Global L2 norm of the gradients, on the device (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return None
-    norms = torch._foreach_norm(grads)
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    return total
-
-
-def _align_rank(monitor: Monitor, rank: int, world_size: int) -> None:
-    """Tag the data with the Trainer's rank; it matches torch.distributed's wherever that is set up."""
-    if (monitor.rank, monitor.world_size) != (rank, world_size):
-        log.warning("fp8guard: torch.distributed says rank %d of %d, the Trainer says %d of %d; reporting as %d",
-                    monitor.rank, monitor.world_size, rank, world_size, rank)
-        monitor.rank, monitor.world_size = rank, world_size

@@ -38,7 +38,8 @@ from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
-from fp8guard.agent.monitor import Monitor
+from fp8guard.agent.integrations._common import align_rank
+from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
 try:
@@ -94,7 +95,7 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         monitor.attach(pl_module, optimizer, remediator=self._remediator)
-        _align_rank(monitor, int(trainer.global_rank), int(trainer.world_size))
+        align_rank(monitor, int(trainer.global_rank), int(trainer.world_size), "Lightning")
         self.monitor, self._live = monitor, True
         self._optimizer = optimizer
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
@@ -126,7 +127,7 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         if not self._live or getattr(optimizer, "optimizer", optimizer) is not self._optimizer:
             return
         try:
-            norm = _grad_norm(self._params) if self.config.compute_grad_norm else None
+            norm = device_grad_norm(self._params) if self.config.compute_grad_norm else None
             groups = getattr(optimizer, "param_groups", None)
             lr = groups[0].get("lr") if groups else None
             self._pending = (int(trainer.global_step), norm, lr)
@@ -188,19 +189,5 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
                            data={"global_step": step, "epoch": checkpoint.get("epoch")})
 
 
-def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
-    """Global L2 norm of the gradients, on the device (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return None
-    norms = torch._foreach_norm(grads)
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    return total
 
 
-def _align_rank(monitor: Monitor, rank: int, world_size: int) -> None:
-    """Tag the data with the framework's rank; it matches torch.distributed's wherever that is set up."""
-    if (monitor.rank, monitor.world_size) != (rank, world_size):
-        log.warning("fp8guard: torch.distributed says rank %d of %d, Lightning says %d of %d; reporting as %d",
-                    monitor.rank, monitor.world_size, rank, world_size, rank)
-        monitor.rank, monitor.world_size = rank, world_size

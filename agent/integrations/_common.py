@@ -1,0 +1,44 @@
+"""Pieces the framework integrations share: the monitor-state file in checkpoints, rank tagging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from fp8guard.agent.monitor import Monitor
+
+__all__ = ["STATE_FILE", "align_rank", "read_state", "write_state"]
+
+log = logging.getLogger("fp8guard.agent")
+
+STATE_FILE = "fp8guard_monitor.json"
+
+
+def read_state(folder: str) -> dict[str, Any] | None:
+    """The monitor state saved in a checkpoint folder, or None (absent or unreadable: logged)."""
+    try:
+        with open(os.path.join(folder, STATE_FILE), encoding="utf-8") as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("fp8guard: ignoring unreadable %s in %s: %s", STATE_FILE, folder, exc)
+        return None
+    return state if isinstance(state, dict) and "run_id" in state else None
+
+
+def write_state(folder: str, state: dict[str, Any]) -> None:
+    path = os.path.join(folder, STATE_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    os.replace(path + ".tmp", path)  # never a half-written file in a checkpoint
+
+
+def align_rank(monitor: Monitor, rank: int, world_size: int, framework: str) -> None:
+    """Tag the data with the framework's rank; it matches torch.distributed's wherever that is set up."""
+    if (monitor.rank, monitor.world_size) != (rank, world_size):
+        log.warning("fp8guard: torch.distributed says rank %d of %d, %s says %d of %d; reporting as %d",
+                    monitor.rank, monitor.world_size, framework, rank, world_size, rank)
+        monitor.rank, monitor.world_size = rank, world_size
