@@ -38,6 +38,8 @@ def robust_spike(history: Sequence[float], value: float, *, z: float, min_rise: 
         return None
     # statistics.median on a short list beats numpy's per-call overhead by ~10x
     med = statistics.median(history)
+    if value - med <= min_rise * (abs(med) + 1e-12):
+        return None  # not even the minimum rise: skip the MAD (the common case, every step)
     mad = statistics.median([abs(x - med) for x in history])
     scale = 1.4826 * mad + 1e-3 * abs(med) + 1e-12
     score = (value - med) / scale
@@ -79,44 +81,34 @@ def amax_growth(fast: F64, slow: F64, seen: I64, amax: F64, *, alpha_fast: float
 def amax_growth_block(fast: F64, slow: F64, seen: I64, amax: F64, *, alpha_fast: float = 0.2,
                       alpha_slow: float = 0.01) -> tuple[F64, F64, I64]:
     """:func:`amax_growth` over a (steps, tensors) block at once; returns the per-step
-    trajectories of the fast and slow averages and of ``seen``.
+    trajectories of the fast and slow averages and of ``seen`` (equal to the step-by-step
+    rule wherever the amax was measured, and in the final state).
 
     The recurrence y_t = (1 - a m_t) y_{t-1} + a m_t x_t (m_t: finite positive amax) has the
     closed form y_t = P_t (y_0 + sum_k a m_k x_k / P_k) with P_t = prod (1 - a m_j); chunks of
-    at most 128 steps keep P_t far from float64 underflow.
+    at most 128 steps keep P_t far from float64 underflow. A tensor seen for the first time
+    starts both averages at its first value, which the recurrence then leaves unchanged.
     """
     ok = np.isfinite(amax) & (amax > 0)
-    log_amax = np.log2(np.where(ok, amax, 1.0))
-    seen_traj = seen[None, :] + np.cumsum(ok, axis=0)
-    # A tensor's first finite amax initialises both averages (as in amax_growth).
-    first = ok & (seen_traj == 1) & (np.cumsum(ok, axis=0) == 1) & (seen[None, :] == 0)
+    # float32 halves the work; log2 amax lives in [-150, 128] and the thresholds are whole
+    # powers of two, so 7 significant digits are plenty.
+    log_amax = np.log2(np.where(ok, amax, 1.0)).astype(np.float32)
+    counts = np.cumsum(ok, axis=0)
+    fresh = (seen == 0) & (counts[-1] > 0)
+    if fresh.any():
+        first = log_amax[np.argmax(ok, axis=0), np.arange(amax.shape[1])]
+        fast = np.where(fresh, first, fast)
+        slow = np.where(fresh, first, slow)
+    m = ok.astype(np.float32)
+    fast, slow = fast.astype(np.float32), slow.astype(np.float32)
     out_fast = np.empty_like(log_amax)
     out_slow = np.empty_like(log_amax)
     for lo in range(0, amax.shape[0], 128):
         hi = min(lo + 128, amax.shape[0])
         for y0, a, out in ((fast, alpha_fast, out_fast), (slow, alpha_slow, out_slow)):
-            m = ok[lo:hi].astype(np.float64)
-            w = np.where(first[lo:hi], 1.0, a * m)  # weight 1 on the first value: y = x there
-            p = np.cumprod(1.0 - w, axis=0)
-            safe = np.where(p == 0.0, 1.0, p)
-            contrib = np.cumsum(w * log_amax[lo:hi] / safe, axis=0)
-            traj = np.where(p == 0.0, 0.0, p * y0[None, :]) + np.where(p == 0.0, 0.0, p * contrib)
-            # where p hit exactly 0 (the first-value reset), restart from that value onwards
-            reset = np.maximum.accumulate(np.where(p == 0.0, np.arange(hi - lo)[:, None], -1), axis=0)
-            if (reset >= 0).any():
-                traj = _restarted(traj, w, log_amax[lo:hi], reset)
-            out[lo:hi] = traj
+            w = np.float32(a) * m[lo:hi]
+            p = np.cumprod(np.float32(1.0) - w, axis=0)
+            out[lo:hi] = p * (y0[None, :] + np.cumsum(w * log_amax[lo:hi] / p, axis=0))
         fast, slow = out_fast[hi - 1], out_slow[hi - 1]
-    return out_fast, out_slow, seen_traj.astype(np.int64)
-
-
-def _restarted(traj: F64, w: F64, x: F64, reset: I64) -> F64:
-    """Recompute columns whose product reached 0 (a first value) step by step; rare (a tensor's
-    very first amax), so a plain loop is fine."""
-    cols = np.flatnonzero((reset >= 0).any(axis=0))
-    for c in cols.tolist():
-        y = 0.0
-        for t in range(traj.shape[0]):
-            y = (1.0 - w[t, c]) * y + w[t, c] * x[t, c]
-            traj[t, c] = y
-    return traj
+    return (out_fast.astype(np.float64), out_slow.astype(np.float64),
+            (seen[None, :] + counts).astype(np.int64))

@@ -36,7 +36,7 @@ from fp8guard.service.store.models import (
     SqlTensor,
 )
 
-__all__ = ["AlertHook", "guard_batch", "pending_commands"]
+__all__ = ["AlertHook", "apply_events", "guard_batch", "pending_commands"]
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,10 @@ class AlertHook:
         return None
 
 
-def guard_batch(conn: sa.Connection, run_pk: int, batch: Batch, last_step: int | None, now: datetime,
+def guard_batch(conn: sa.Connection, run_pk: int, batch: Batch, last_step: int, now: datetime,
                 alert: AlertHook, cache: Any) -> None:
-    _apply_events(conn, run_pk, batch, now)
-    if last_step is None:
-        return
+    """Detector over the batch, then decisions; the caller holds this (run, rank)'s detector
+    lock, so batches of one rank are judged one at a time and in order."""
     guard_json = conn.scalar(sa.select(SqlRun.guard).where(SqlRun.id == run_pk))
     cfg = GuardConfig.model_validate(guard_json or {})
     count = int(conn.scalar(sa.select(sa.func.count()).select_from(SqlTensor).where(SqlTensor.run_pk == run_pk)) or 0)
@@ -64,7 +63,8 @@ def guard_batch(conn: sa.Connection, run_pk: int, batch: Batch, last_step: int |
         metas = _tensor_metas(conn, run_pk)
         cache.pending.append(("metas", (run_pk, count), metas))  # published after commit only
     key = (SqlDetectorState.run_pk == run_pk) & (SqlDetectorState.rank == batch.rank)
-    state = conn.scalar(sa.select(SqlDetectorState.state).where(key))
+    # FOR UPDATE: on PostgreSQL the state row is the detector lock across service processes.
+    state = conn.scalar(sa.select(SqlDetectorState.state).where(key).with_for_update())
     detector = Detector(cfg, metas, state)
     findings = detector.observe(batch.steps, batch.blocks)
     if state is None:
@@ -188,7 +188,7 @@ def _set_precision(conn: sa.Connection, run_pk: int, modules: Sequence[str], pre
                          "action_id": action_id} for m in modules])
 
 
-def _apply_events(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime) -> None:
+def apply_events(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime) -> None:
     from fp8guard.service.store.writer import upsert_insert
 
     for e in batch.events:

@@ -3,7 +3,9 @@ database errors; it takes and returns domain objects only."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -28,7 +30,7 @@ from fp8guard.service.domain import (
 from fp8guard.service.errors import Conflict, InvalidPayload, ServiceError, StorageUnavailable
 from fp8guard.service.store import reader, writer
 from fp8guard.service.store.engine import make_engine, verify_schema
-from fp8guard.service.store.guard import AlertHook
+from fp8guard.service.store.guard import AlertHook, guard_batch, pending_commands
 from fp8guard.service.store.models import SqlRun
 from fp8guard.service.store.reader import Window
 
@@ -48,6 +50,8 @@ class Store:
         self.engine = engine
         self._cache = writer.WriteCache()
         self.alert_hook = alert_hook or AlertHook()
+        self._locks_guard = threading.Lock()
+        self._detector_locks: dict[tuple[int, int], threading.Lock] = {}
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -109,10 +113,33 @@ class Store:
         return self.run(spec.run_id).summary, created
 
     def ingest(self, batch: Batch) -> IngestResult:
+        """Store a batch (one transaction), then run detection and policy over it (another),
+        then answer with the run's pending commands."""
+        now = datetime.now(UTC)
         with self._session() as s:
-            result = writer.ingest_batch(s.connection(), batch, datetime.now(UTC), self._cache, self.alert_hook)
+            result, run_pk, last_step = writer.ingest_batch(s.connection(), batch, now, self._cache)
         self._cache.publish()  # only facts from a committed transaction
-        return result
+        if result.duplicate:
+            return result
+        commands: list[dict[str, Any]] | None = None
+        if last_step is not None:
+            try:
+                with self._detector_lock(run_pk, batch.rank), self._session() as s:
+                    guard_batch(s.connection(), run_pk, batch, last_step, now, self.alert_hook, self._cache)
+                    commands = pending_commands(s.connection(), run_pk)
+                self._cache.publish()
+            except Exception:  # detection is derived data: never lose a stored batch over it
+                self._cache.pending.clear()
+                log.exception("fp8guard: detection failed for run %s batch %s", batch.run_id, batch.batch_id)
+        if commands is None:
+            with self._session() as s:
+                commands = pending_commands(s.connection(), run_pk)
+        return dataclasses.replace(result, commands=commands)
+
+    def _detector_lock(self, run_pk: int, rank: int) -> threading.Lock:
+        """In-process order for one rank's detection (SQLite); PostgreSQL adds a row lock."""
+        with self._locks_guard:
+            return self._detector_locks.setdefault((run_pk, rank), threading.Lock())
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -172,8 +199,6 @@ class Store:
             return reader.checkpoint_list(conn, reader.run_pk(conn, run_id))
 
     def commands(self, run_id: str) -> list[dict[str, Any]]:
-        from fp8guard.service.store.guard import pending_commands
-
         with self._session() as s:
             conn = s.connection()
             return pending_commands(conn, reader.run_pk(conn, run_id))

@@ -23,7 +23,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, TensorInfo
 from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
 from fp8guard.service.store import buckets
-from fp8guard.service.store.guard import AlertHook, guard_batch, pending_commands
+from fp8guard.service.store.guard import apply_events, pending_commands
 from fp8guard.service.store.models import (
     SqlBatch,
     SqlEvent,
@@ -86,8 +86,11 @@ def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
 
-def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteCache,
-                 alert_hook: AlertHook | None = None) -> IngestResult:
+def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteCache) -> tuple[IngestResult, int, int | None]:
+    """Store the batch; returns (result, run primary key, last step of the batch or None).
+
+    Detection runs afterwards in its own transaction (``guard.guard_batch``): it is derived
+    data, and keeping it out of this one keeps the rank's row lock short."""
     cache.pending.clear()
     run_pk = cache.run_pks.get(batch.run_id)
     if run_pk is None:
@@ -110,7 +113,7 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
     ).first() is not None
     if not accepted:
         return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0,
-                            commands=pending_commands(conn, run_pk))
+                            commands=pending_commands(conn, run_pk)), run_pk, None
 
     progress = _lock_rank(conn, run_pk, batch.rank, now)
     first_step, last_step = _step_range(batch)
@@ -128,9 +131,9 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
     cache.pending.append(("tails", (run_pk, batch.rank), new_tail))
     _write_events(conn, run_pk, batch)
     _update_progress(conn, run_pk, batch, progress, last_step, samples)
-    guard_batch(conn, run_pk, batch, last_step, now, alert_hook or AlertHook(), cache)
-    return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples,
-                        commands=pending_commands(conn, run_pk))
+    apply_events(conn, run_pk, batch, now)  # acks, checkpoints, precision changes: data, stored with it
+    return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples), \
+        run_pk, last_step
 
 
 def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Any:

@@ -1,0 +1,26 @@
+"""The README's main command, end to end: ``fp8guard demo --exit`` recovers and says so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.slow
+def test_demo_recovers_and_ends_with_a_json_line(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8guard", "demo", "--exit", "--port", "0",
+         "--database-url", f"sqlite:///{tmp_path / 'demo.db'}"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["recovered"] is True
+    assert "rollback" in summary["actions"] and "fallback" in summary["actions"]
+    assert summary["findings"] >= 2 and summary["final_loss"] < summary["pre_incident_loss"]
+    assert "Timeline" in proc.stderr
