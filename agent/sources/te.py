@@ -112,6 +112,8 @@ class _TE:
     fp8_enabled: Callable[[], bool]
     recompute_phase: Callable[[], bool]
     compute_amax: Callable[[torch.Tensor, torch.Tensor], None] | None
+    autocast: Callable[..., Any]
+    """``te.autocast`` (2.x; ``fp8_autocast`` before), used for the BF16 fallback."""
 
 
 def _load_te(required: bool) -> _TE | None:
@@ -149,7 +151,8 @@ def _load_te(required: bool) -> _TE | None:
         compute_amax = None
     return _TE(kinds=tuple(kinds), skipped=skipped, quantized=quantized,
                fp8_enabled=FP8GlobalStateManager.is_fp8_enabled,
-               recompute_phase=in_fp8_activation_recompute_phase, compute_amax=compute_amax)
+               recompute_phase=in_fp8_activation_recompute_phase, compute_amax=compute_amax,
+               autocast=getattr(te, "autocast", None) or te.fp8_autocast)
 
 
 def _kind_of(module: nn.Module, te: _TE) -> str | None:
@@ -326,6 +329,7 @@ class TESource:
         found = [(name, m, kind) for name, m in modules if (kind := _kind_of(m, te)) is not None]
         if not found:
             raise ConfigError("te source: no Transformer Engine GEMM modules given")
+        self._switchable = [(n, m) for n, m, _ in found]
         ready = [(n, m, k) for n, m, k in found if _state(m, k, "fwd") is not None]
         if not ready:
             names = ", ".join(n or "<model>" for n, _, _ in found[:3])
@@ -685,6 +689,38 @@ class TESource:
     def read_counts(self, out: torch.Tensor) -> None:
         out.copy_(self._counts.t())
         self._counts.zero_()
+
+    def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
+        """BF16 fallback (``enabled=False``) or re-promotion of TE modules (None: all of them).
+
+        Fallback wraps the module's forward in a nested ``te.autocast(enabled=False)`` (TE
+        saves and restores the outer autocast state, so nesting is supported). Re-promotion
+        removes the wrapper and calls TE's ``reset_fp8_meta_tensors()``: while in BF16 the
+        module's history only rolled zeros, so its scale is stale (frozen at the pre-fallback
+        window) and must not be reused. A name may also be a GEMM of a module
+        (``<module>.fc1``): the whole module switches, as TE switches precision per module.
+        """
+        wanted = None if modules is None else set(modules)
+        for name, module in self._switchable:
+            if wanted is not None and not any(w == name or w.startswith(name + ".") for w in wanted):
+                continue
+            wrapped = "_fp8guard_forward" in module.__dict__
+            if not enabled and not wrapped:
+                original = module.forward
+                autocast = self._te.autocast
+
+                def forward(*args: Any, _original: Any = original, _autocast: Any = autocast, **kwargs: Any) -> Any:
+                    with _autocast(enabled=False):
+                        return _original(*args, **kwargs)
+
+                module.__dict__["_fp8guard_forward"] = original
+                module.__dict__["forward"] = forward
+            elif enabled and wrapped:
+                del module.__dict__["forward"]
+                del module.__dict__["_fp8guard_forward"]
+                reset = getattr(module, "reset_fp8_meta_tensors", None)
+                if callable(reset):
+                    reset()
 
     def close(self) -> None:
         """Remove the module hooks (the source reads nothing afterwards)."""
