@@ -559,3 +559,42 @@ def test_monitor_with_te_source(recipe_name: str) -> None:
 def test_discover_sources_requires_te_modules() -> None:
     with pytest.raises(ConfigError, match="no te FP8 modules"):
         discover_sources(nn.Linear(4, 4).to(DEV), ["te"])
+
+
+def test_bf16_fallback_and_repromotion_with_fresh_state() -> None:
+    """set_fp8(False) runs the module in BF16 inside an FP8 autocast; set_fp8(True) brings FP8
+    back with TE's meta tensors reset (scale 1, empty history)."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
+    model = nn.Sequential(te.Linear(256, 256, params_dtype=torch.bfloat16),
+                          te.Linear(256, 256, params_dtype=torch.bfloat16)).cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run(fp8: bool = True) -> torch.Tensor:
+        with te.autocast(enabled=fp8, recipe=recipe):
+            out = model(x)
+        out.float().sum().backward()
+        return out.detach()
+
+    for _ in range(3):
+        run()
+    source = te_source.discover(model, required=True)
+    assert source is not None
+    first = model[0]
+    fp8_out = run()
+    source.set_fp8(["0"], enabled=False)
+    bf16_out = run()
+    with te.autocast(enabled=False):
+        reference = first(x)
+    # the fallen-back layer computes exactly as without FP8, inside an FP8 autocast
+    with te.autocast(enabled=True, recipe=recipe):
+        inside = first(x).detach()
+    torch.testing.assert_close(inside, reference.detach(), rtol=0, atol=0)
+    assert not torch.equal(fp8_out, bf16_out)
+    source.set_fp8(["0"], enabled=True)
+    meta = first.fp8_meta["scaling_fwd"]
+    assert torch.all(meta.scale == 1) and torch.all(meta.amax_history == 0)
+    with te.autocast(enabled=True, recipe=recipe):
+        again = first(x).detach()
+    assert not torch.equal(again, reference.detach())  # FP8 casts are back
+    source.close()
