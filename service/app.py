@@ -13,6 +13,7 @@ from fp8guard import __version__
 from fp8guard.service.alerts.dispatcher import AlertDispatcher
 from fp8guard.service.alerts.hook import OutboxAlerts
 from fp8guard.service.errors import install_handlers
+from fp8guard.service.metrics import install_metrics
 from fp8guard.service.routes import health, ingest, runs
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.settings import Settings
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(health.router)
     app.include_router(ingest.router)
     app.include_router(runs.router)
+    install_metrics(app, store)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

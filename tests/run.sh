@@ -18,11 +18,20 @@ fi
 # In CI the PostgreSQL tests must run, never skip.
 if [ "${CI:-}" = "true" ]; then export FP8GUARD_REQUIRE_POSTGRES=1; fi
 
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo -n"; fi
+# Prometheus and promtool: the metrics tests lint the exposition, check and unit-test the alerting
+# rules, and let a real Prometheus scrape the service.
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if ! { command -v apt-get >/dev/null && $SUDO apt-get update -qq \
+         && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }; then
+    if [ "${CI:-}" = "true" ]; then echo "cannot install prometheus" >&2; exit 1; fi
+    echo "warning: could not install prometheus; the promtool/Prometheus tests will skip" >&2
+  fi
+fi
 # Alertmanager: tests/service/test_alertmanager.py starts a real one (Debian installs the binary as
 # prometheus-alertmanager). Install it when missing; outside CI a failed install only skips those tests.
 if ! command -v alertmanager >/dev/null && ! command -v prometheus-alertmanager >/dev/null; then
-  SUDO=""
-  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo -n"; fi
   if ! { command -v apt-get >/dev/null && $SUDO apt-get update -qq \
          && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-alertmanager; }; then
     if [ "${CI:-}" = "true" ]; then echo "cannot install prometheus-alertmanager" >&2; exit 1; fi

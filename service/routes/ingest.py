@@ -47,5 +47,6 @@ async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> In
     batch = decode_batch(parsed)
     # The store is synchronous (SQLAlchemy); keep the event loop free while it works.
     result = await run_in_threadpool(store.ingest, batch)
+    request.app.state.metrics.observe(result, len(body))
     return IngestResultOut(batch_id=result.batch_id, duplicate=result.duplicate, steps=result.steps,
                            samples=result.samples, commands=result.commands)

@@ -1,0 +1,380 @@
+"""Prometheus metrics: ``install_metrics(app, store)`` adds ``GET /metrics`` to the service.
+
+Everything lives in one ``CollectorRegistry`` made per app (no module globals), so tests and
+several apps in one process never share series. Three kinds of metrics:
+
+* service health, kept by a pure ASGI middleware: requests by route *template* (never the raw
+  path, so run ids do not become labels), method and status code, and latency by route;
+* ingest counters, fed by the ingest route through ``app.state.metrics.observe(result, n_bytes)``
+  (rejections are counted by the middleware from the status code), database errors (an
+  SQLAlchemy ``handle_error`` listener) and alert deliveries (``AlertDispatcher.stats()``);
+* per-run gauges, computed at scrape time from the database by ``RunCollector`` for runs whose
+  status is ``running`` only, at most ``max_runs`` of them (the rest counted in
+  ``fp8guard_runs_truncated``). Finished runs drop out of the exposition by themselves.
+
+One uvicorn process is assumed: custom collectors do not work in prometheus_client's
+multiprocess mode (see docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import sqlalchemy as sa
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fp8guard.service.store.models import (
+    SqlAction,
+    SqlFinding,
+    SqlLayerPrecision,
+    SqlRun,
+    SqlRunRank,
+    SqlStat,
+    SqlTensorSeries,
+)
+
+__all__ = ["ACTION_KINDS", "AlertCollector", "IngestMetrics", "RunCollector", "install_metrics"]
+
+log = logging.getLogger(__name__)
+
+ACTION_KINDS = ("fallback", "promote", "rollback", "page", "alert")
+"""The ``kind`` values of ``fp8guard_run_actions_total``; a fixed set bounds the label."""
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_UNMATCHED = "unmatched"
+_INGEST_ROUTE = "/v1/ingest"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SATURATION_STAT = "saturation"
+_UNDERFLOW_STAT = "underflows"
+
+
+class _IngestResult(Protocol):
+    """What ``observe`` needs of ``fp8guard.service.domain.IngestResult``."""
+
+    @property
+    def duplicate(self) -> bool: ...
+
+    @property
+    def samples(self) -> int: ...
+
+
+class _AlertStats(Protocol):
+    def stats(self) -> dict[str, dict[str, int]]: ...
+
+    def backlog(self) -> dict[str, dict[str, int]]: ...
+
+
+class _HasEngine(Protocol):
+    @property
+    def engine(self) -> sa.Engine: ...
+
+
+class IngestMetrics:
+    """Ingest counters, reachable as ``app.state.metrics``.
+
+    The ingest route calls ``observe`` once per answered batch::
+
+        request.app.state.metrics.observe(result, len(body))
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches = Counter("fp8guard_ingest_batches", "Ingest batches by outcome (stored, duplicate, rejected).",
+                               ["outcome"], registry=registry)
+        self.samples = Counter("fp8guard_ingest_samples", "Tensor-samples stored (one tensor's stats at one step).",
+                               registry=registry)
+        self.bytes = Counter("fp8guard_ingest_bytes", "Bytes of stored or duplicate ingest bodies, after gunzip.",
+                             registry=registry)
+        self.database_errors = Counter("fp8guard_database_errors", "Errors raised by the database driver.",
+                                       ["kind"], registry=registry)
+        for outcome in ("stored", "duplicate", "rejected"):
+            self.batches.labels(outcome)  # present as 0 from the start, so rate() and alerts see them
+        for kind in ("operational", "integrity", "data", "other"):
+            self.database_errors.labels(kind)
+
+    def observe(self, result: _IngestResult, n_bytes: int) -> None:
+        """Count one answered batch: ``duplicate`` batches add bytes but no samples."""
+        self.batches.labels("duplicate" if result.duplicate else "stored").inc()
+        if not result.duplicate:
+            self.samples.inc(max(0, int(result.samples)))
+        self.bytes.inc(max(0, int(n_bytes)))
+
+    def reject(self) -> None:
+        """Count one refused batch (any 4xx/5xx answer from the ingest route)."""
+        self.batches.labels("rejected").inc()
+
+    def database_error(self, exc: BaseException) -> None:
+        if isinstance(exc, sa.exc.OperationalError):
+            kind = "operational"
+        elif isinstance(exc, sa.exc.IntegrityError):
+            kind = "integrity"
+        elif isinstance(exc, sa.exc.DataError):
+            kind = "data"
+        else:
+            kind = "other"
+        self.database_errors.labels(kind).inc()
+
+
+class _HttpMetrics:
+    """A pure ASGI middleware (no BaseHTTPMiddleware: it would buffer and re-task every request)."""
+
+    def __init__(self, app: ASGIApp, *, requests: Counter, duration: Histogram, ingest: IngestMetrics) -> None:
+        self.app = app
+        self.requests = requests
+        self.duration = duration
+        self.ingest = ingest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the client sees if the app raises before answering
+        started = time.perf_counter()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self._record(scope, status, time.perf_counter() - started)
+
+    def _record(self, scope: Scope, status: int, seconds: float) -> None:
+        route = scope.get("route")  # set by the router on a match; a template such as /v1/runs/{run_id}
+        template = getattr(route, "path", None) if route is not None else None
+        template = template if isinstance(template, str) else _UNMATCHED
+        method = str(scope.get("method", "GET"))
+        method = method if method in _METHODS else "OTHER"
+        self.requests.labels(template, method, str(status)).inc()
+        self.duration.labels(template).observe(seconds)
+        if template == _INGEST_ROUTE and status >= 400:
+            self.ingest.reject()
+
+
+@dataclass(slots=True)
+class _RunRow:
+    pk: int
+    run_id: str
+    last_step: int | None = None
+    last_loss: float | None = None
+    layers_bf16: int = 0
+    findings: int = 0
+    rollbacks: int = 0
+    actions: dict[str, int] = field(default_factory=dict)
+    worst_saturation: float | None = None
+    saturating: int | None = None
+    underflowing: int | None = None
+
+
+class RunCollector(Collector):
+    """Per-run gauges read from the database at scrape time, for active (``running``) runs only.
+
+    Two queries per scrape whatever the number of runs: one row per run with its scalars and
+    counts (correlated sub-selects), then the latest level-1 ``saturation`` and ``underflows``
+    rows of rank 0, found through the primary key, so the cost does not grow with run length.
+    """
+
+    def __init__(self, engine: sa.Engine, *, max_runs: int = 100) -> None:
+        if max_runs < 1:
+            raise ValueError(f"max_runs must be at least 1, got {max_runs}")
+        self._engine = engine
+        self._max_runs = max_runs
+
+    def describe(self) -> Iterable[Metric]:
+        # Declared without touching the database, so registering never queries it.
+        return list(self._families([], 0, 0))
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            with self._engine.connect() as conn:
+                runs, active = self._runs(conn)
+                self._latest_stats(conn, runs)
+        except sa.exc.SQLAlchemyError:
+            log.warning("metrics: reading runs from the database failed", exc_info=True)
+            return []  # the handle_error listener has counted it; a scrape still answers
+        return list(self._families(runs, active, max(0, active - len(runs))))
+
+    def _runs(self, conn: sa.Connection) -> tuple[list[_RunRow], int]:
+        pk = SqlRun.id
+        running = SqlRun.status == "running"
+        active = int(conn.scalar(sa.select(sa.func.count()).select_from(SqlRun).where(running)) or 0)
+
+        def count(model: Any, *where: Any) -> Any:
+            return sa.select(sa.func.count()).select_from(model).where(model.run_pk == pk, *where).scalar_subquery()
+
+        rank0 = sa.orm.aliased(SqlRunRank)
+        cols: list[Any] = [
+            pk, SqlRun.run_id,
+            sa.select(sa.func.max(SqlRunRank.last_step)).where(SqlRunRank.run_pk == pk).scalar_subquery(),
+            rank0.last_loss, rank0.last_loss_nan,
+            count(SqlLayerPrecision, SqlLayerPrecision.precision.in_(("bf16", "pinned"))),
+            count(SqlFinding),
+            # Rollbacks the service decided and did not see fail (dry-run recommendations excluded).
+            count(SqlAction, SqlAction.kind == "rollback", SqlAction.status.in_(("pending", "applied"))),
+            *(count(SqlAction, SqlAction.kind == kind) for kind in ACTION_KINDS),
+        ]
+        query = (sa.select(*cols).outerjoin(rank0, (rank0.run_pk == pk) & (rank0.rank == 0)).where(running)
+                 .order_by(SqlRun.updated_at.desc(), pk.desc()).limit(self._max_runs))
+        runs = []
+        for row in conn.execute(query):
+            loss = math.nan if row[4] else (float(row[3]) if row[3] is not None else None)
+            runs.append(_RunRow(
+                pk=int(row[0]), run_id=str(row[1]), last_step=None if row[2] is None else int(row[2]),
+                last_loss=loss, layers_bf16=int(row[5] or 0), findings=int(row[6] or 0), rollbacks=int(row[7] or 0),
+                actions={kind: int(row[8 + i] or 0) for i, kind in enumerate(ACTION_KINDS)},
+            ))
+        return runs, active
+
+    def _latest_stats(self, conn: sa.Connection, runs: list[_RunRow]) -> None:
+        if not runs:
+            return
+        by_pk = {r.pk: r for r in runs}
+        ts = SqlTensorSeries
+        rank0 = sa.orm.aliased(SqlRunRank)
+        # Rank 0's newest segment holds its newest steps (a rollback starts a new segment).
+        key = ((ts.run_pk == SqlStat.run_pk) & (ts.rank == 0) & (ts.segment == rank0.last_segment)
+               & (ts.stat_id == SqlStat.id) & (ts.level == 1))
+        newest = sa.select(sa.func.max(ts.block)).where(key).correlate(SqlStat, rank0).scalar_subquery()
+        query = (
+            sa.select(SqlStat.run_pk, SqlStat.name, ts.data)
+            .join(rank0, (rank0.run_pk == SqlStat.run_pk) & (rank0.rank == 0))
+            .join(ts, key & (ts.block == newest))
+            .where(SqlStat.run_pk.in_(list(by_pk)), SqlStat.name.in_((_SATURATION_STAT, _UNDERFLOW_STAT)))
+        )
+        for run_pk, name, data in conn.execute(query):
+            values = np.frombuffer(bytes(data), dtype="<f4")
+            values = values[~np.isnan(values)]
+            run = by_pk[int(run_pk)]
+            if name == _SATURATION_STAT:
+                run.saturating = int(np.count_nonzero(values > 1.0))
+                if values.size:
+                    run.worst_saturation = float(np.max(values))
+            else:
+                run.underflowing = int(np.count_nonzero(values > 0))
+
+    @staticmethod
+    def _families(runs: list[_RunRow], active: int, truncated: int) -> Iterator[Metric]:
+        def gauge(name: str, doc: str, pick: Any) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["run"])
+            for r in runs:
+                value = pick(r)
+                if value is not None:
+                    g.add_metric([r.run_id], float(value))
+            return g
+
+        def counter(name: str, doc: str, pick: Any) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["run"])
+            for r in runs:
+                c.add_metric([r.run_id], float(pick(r)))
+            return c
+
+        yield GaugeMetricFamily("fp8guard_runs_active", "Runs whose status is running.", value=active)
+        yield GaugeMetricFamily("fp8guard_runs_truncated",
+                                "Active runs left out of the per-run series (over max_runs).", value=truncated)
+        yield gauge("fp8guard_run_last_step", "Highest step reported by any rank.", lambda r: r.last_step)
+        yield gauge("fp8guard_run_last_loss", "Rank 0's last reported loss (NaN when it was NaN).",
+                    lambda r: r.last_loss)
+        yield gauge("fp8guard_run_worst_saturation_ratio",
+                    "Largest saturation over tensors at rank 0's latest step (above 1 means clipping).",
+                    lambda r: r.worst_saturation)
+        yield gauge("fp8guard_run_tensors_saturating", "Tensors whose latest saturation is above 1.",
+                    lambda r: r.saturating)
+        yield gauge("fp8guard_run_tensors_underflowing", "Tensors with underflows at rank 0's latest step.",
+                    lambda r: r.underflowing)
+        yield gauge("fp8guard_run_layers_bf16", "Modules currently running in BF16 (fallen back or pinned).",
+                    lambda r: r.layers_bf16)
+        yield counter("fp8guard_run_findings", "Findings of the detection rules.", lambda r: r.findings)
+        yield counter("fp8guard_run_rollbacks", "Rollbacks decided (pending or applied).", lambda r: r.rollbacks)
+        actions = CounterMetricFamily("fp8guard_run_actions", "Policy actions by kind, any status.",
+                                      labels=["run", "kind"])
+        for r in runs:
+            for kind in ACTION_KINDS:
+                actions.add_metric([r.run_id, kind], float(r.actions.get(kind, 0)))
+        yield actions
+
+
+class AlertCollector(Collector):
+    """Alert deliveries by sink and outcome (counters kept by the dispatcher) and the outbox backlog."""
+
+    def __init__(self, alerts: _AlertStats) -> None:
+        self._alerts = alerts
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families({}, {}))
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._alerts.stats()
+        try:
+            backlog = self._alerts.backlog()
+        except sa.exc.SQLAlchemyError:
+            log.warning("metrics: reading the alert outbox failed", exc_info=True)
+            backlog = {}
+        return list(self._families(stats, backlog))
+
+    @staticmethod
+    def _families(stats: Mapping[str, Mapping[str, int]],
+                  backlog: Mapping[str, Mapping[str, int]]) -> Iterator[Metric]:
+        deliveries = CounterMetricFamily("fp8guard_alert_deliveries",
+                                         "Alert delivery attempts by sink and outcome since the service started.",
+                                         labels=["sink", "outcome"])
+        for sink, outcomes in sorted(stats.items()):
+            for outcome, n in sorted(outcomes.items()):
+                deliveries.add_metric([sink, outcome], float(n))
+        yield deliveries
+        outbox = GaugeMetricFamily("fp8guard_alert_outbox_rows", "Alert outbox rows by sink and status.",
+                                   labels=["sink", "status"])
+        for sink, statuses in sorted(backlog.items()):
+            for status, n in sorted(statuses.items()):
+                outbox.add_metric([sink, status], float(n))
+        yield outbox
+
+
+def install_metrics(app: FastAPI, store: _HasEngine, *, max_runs: int = 100) -> None:
+    """Add ``GET /metrics`` and the request middleware to ``app``.
+
+    ``app.state.metrics`` becomes the ``IngestMetrics`` the ingest route reports to, and
+    ``app.state.metrics_registry`` the registry. Call it once, before the app starts::
+
+        app = create_app(settings)
+        install_metrics(app, app.state.store, max_runs=100)
+    """
+    if getattr(app.state, "metrics_registry", None) is not None:
+        raise ValueError("install_metrics was already called on this app; call it once")
+    registry = CollectorRegistry(auto_describe=True)
+    ingest = IngestMetrics(registry)
+    requests = Counter("fp8guard_http_requests", "HTTP requests by route template, method and status code.",
+                       ["route", "method", "code"], registry=registry)
+    duration = Histogram("fp8guard_http_request_duration_seconds", "HTTP request latency by route template.",
+                         ["route"], buckets=_LATENCY_BUCKETS, registry=registry)
+    registry.register(RunCollector(store.engine, max_runs=max_runs))
+    alerts = getattr(app.state, "alerts", None)
+    if alerts is not None:
+        registry.register(AlertCollector(alerts))
+
+    def on_db_error(context: sa.engine.ExceptionContext) -> None:
+        ingest.database_error(context.sqlalchemy_exception or context.original_exception)
+
+    sa.event.listen(store.engine, "handle_error", on_db_error)
+    app.add_middleware(_HttpMetrics, requests=requests, duration=duration, ingest=ingest)
+    app.state.metrics = ingest
+    app.state.metrics_registry = registry
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics(request: Request) -> Response:
+        # A plain route (sync, so the database reads run in the threadpool): no Mount, no 307.
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), media_type=content_type)

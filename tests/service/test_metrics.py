@@ -1,0 +1,312 @@
+"""GET /metrics: scraped in-process and parsed with prometheus_client's own parser, linted by
+``promtool check metrics``, and scraped by a REAL Prometheus (Debian's ``prometheus`` package).
+
+Without promtool/prometheus the tests that need them skip locally; with ``CI=true`` they fail.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fp8guard.service.domain import IngestResult
+from fp8guard.service.metrics import AlertCollector, RunCollector, install_metrics
+from tests.helpers import batch, post, register
+
+STATS = ("amax", "saturation", "underflows")
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    reason = f"{name} is not installed: apt-get install prometheus (it ships promtool too)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; in CI it must be present")
+    pytest.skip(reason)
+
+
+def make_client(url: str, **kw: Any) -> Any:
+    from fastapi.testclient import TestClient
+
+    from fp8guard.service import Settings, create_app
+
+    app = create_app(Settings(database_url=url))
+    if getattr(app.state, "metrics_registry", None) is None:  # create_app may install them itself
+        install_metrics(app, app.state.store, **kw)
+    return TestClient(app)
+
+
+@pytest.fixture
+def mclient(migrated_url: str) -> Iterator[Any]:
+    with make_client(migrated_url) as c:
+        yield c
+
+
+def scrape(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the exposition, keyed by (name, sorted labels)."""
+    r = client.get("/metrics", follow_redirects=False)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def run_value(samples: dict[Any, float], name: str, run: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted({"run": run, **labels}.items()))))
+
+
+def stat_block(steps: list[int], n: int, saturation_last: list[float], underflows_last: list[float]) -> np.ndarray:
+    """(steps, stats, tensors): earlier steps saturate harder, so only the latest row may count."""
+    vals = np.full((len(steps), len(STATS), n), 100.0, dtype="<f4")
+    vals[:, 2, :] = 7.0
+    vals[-1, 1, :] = saturation_last
+    vals[-1, 2, :] = underflows_last
+    return vals
+
+
+def test_run_gauges(mclient: Any) -> None:
+    register(mclient, "m1")
+    values = stat_block([10, 11, 12], 6, [0.5, 2.0, math.nan, 20.0, 0.1, 1.0], [0, 0, 3, 0, math.nan, 1])
+    r = post(mclient, batch("m1", [10, 11, 12], stats=STATS, values=values, losses=[3.0, 2.5, 2.25]))
+    assert r.status_code == 200, r.text
+    s = scrape(mclient)
+    assert run_value(s, "fp8guard_run_last_step", "m1") == 12
+    assert run_value(s, "fp8guard_run_last_loss", "m1") == 2.25
+    assert run_value(s, "fp8guard_run_worst_saturation_ratio", "m1") == 20.0  # NaN skipped, step 12 only
+    assert run_value(s, "fp8guard_run_tensors_saturating", "m1") == 2
+    assert run_value(s, "fp8guard_run_tensors_underflowing", "m1") == 2
+    assert run_value(s, "fp8guard_run_layers_bf16", "m1") == 0
+    assert run_value(s, "fp8guard_run_findings_total", "m1") is not None
+    assert run_value(s, "fp8guard_run_rollbacks_total", "m1") == 0
+    assert run_value(s, "fp8guard_run_actions_total", "m1", kind="rollback") == 0
+    assert s[("fp8guard_runs_active", ())] == 1
+    assert s[("fp8guard_runs_truncated", ())] == 0
+
+
+def test_nan_loss_and_no_saturation_stat(mclient: Any) -> None:
+    register(mclient, "nan")
+    post(mclient, batch("nan", [1], stats=("amax",), losses=[math.nan]))
+    s = scrape(mclient)
+    assert math.isnan(run_value(s, "fp8guard_run_last_loss", "nan") or 0.0)
+    assert run_value(s, "fp8guard_run_worst_saturation_ratio", "nan") is None  # never reported: no series
+    assert run_value(s, "fp8guard_run_tensors_underflowing", "nan") is None
+
+
+def test_latest_segment_wins(mclient: Any) -> None:
+    """After a rollback the newest segment's latest row is read, even at a lower step."""
+    register(mclient, "seg")
+    post(mclient, batch("seg", [50], stats=STATS, values=stat_block([50], 6, [30.0] * 6, [0.0] * 6)))
+    post(mclient, batch("seg", [40], segment=1, define_tensors=False, stats=STATS,
+                        values=stat_block([40], 6, [0.25] * 6, [0.0] * 6)))
+    s = scrape(mclient)
+    assert run_value(s, "fp8guard_run_worst_saturation_ratio", "seg") == 0.25
+    assert run_value(s, "fp8guard_run_tensors_saturating", "seg") == 0
+
+
+def test_bf16_layers_from_fallback_event(mclient: Any) -> None:
+    register(mclient, "fb")
+    post(mclient, batch("fb", [1, 2], stats=STATS))
+    ev = [{"kind": "fallback_applied", "step": 3, "data": {"modules": ["blocks.0.fc", "blocks.1.fc"]}}]
+    r = post(mclient, batch("fb", [3], stats=STATS, define_tensors=False, events=ev))
+    assert r.status_code == 200, r.text
+    assert run_value(scrape(mclient), "fp8guard_run_layers_bf16", "fb") == 2
+
+
+def test_finished_runs_drop_out(mclient: Any) -> None:
+    register(mclient, "done")
+    register(mclient, "live")
+    post(mclient, batch("done", [1], stats=STATS))
+    post(mclient, batch("live", [5], stats=STATS))
+    post(mclient, batch("done", [2], stats=STATS, define_tensors=False, events=[{"kind": "run_finished", "step": 2}]))
+    s = scrape(mclient)
+    assert run_value(s, "fp8guard_run_last_step", "done") is None
+    assert not [k for k in s if dict(k[1]).get("run") == "done"]
+    assert run_value(s, "fp8guard_run_last_step", "live") == 5
+    assert s[("fp8guard_runs_active", ())] == 1
+
+
+def test_max_runs_truncates(mclient: Any) -> None:
+    for i in range(3):
+        register(mclient, f"t{i}")
+    registry = CollectorRegistry()
+    registry.register(RunCollector(mclient.app.state.store.engine, max_runs=2))
+    s = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+         for fam in text_string_to_metric_families(generate_latest(registry).decode()) for smp in fam.samples}
+    assert s[("fp8guard_runs_active", ())] == 3
+    assert s[("fp8guard_runs_truncated", ())] == 1
+    assert len([k for k in s if k[0] == "fp8guard_run_layers_bf16"]) == 2
+    with pytest.raises(ValueError):
+        RunCollector(mclient.app.state.store.engine, max_runs=0)
+
+
+def test_install_twice_is_refused(mclient: Any) -> None:
+    with pytest.raises(ValueError, match="already"):
+        install_metrics(mclient.app, mclient.app.state.store)
+
+
+def test_http_metrics_use_route_templates(mclient: Any) -> None:
+    register(mclient, "secret-run-id")
+    mclient.get("/v1/runs/secret-run-id")
+    mclient.get("/no/such/path")
+    r = mclient.post("/v1/ingest", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code >= 400
+    s = scrape(mclient)
+    assert s[("fp8guard_http_requests_total",
+              (("code", "200"), ("method", "GET"), ("route", "/v1/runs/{run_id}")))] == 1
+    assert s[("fp8guard_http_requests_total", (("code", "404"), ("method", "GET"), ("route", "unmatched")))] == 1
+    assert s[("fp8guard_http_request_duration_seconds_count", (("route", "/v1/runs/{run_id}"),))] >= 1
+    assert s[("fp8guard_ingest_batches_total", (("outcome", "rejected"),))] == 1
+    http_labels = {v for k in s if k[0].startswith("fp8guard_http") for _, v in k[1]}
+    assert "secret-run-id" not in " ".join(http_labels)
+
+
+def test_ingest_observe(mclient: Any) -> None:
+    metrics = mclient.app.state.metrics
+    metrics.observe(IngestResult(batch_id="b" * 8, duplicate=False, steps=2, samples=12), 1000)
+    metrics.observe(IngestResult(batch_id="b" * 8, duplicate=True, steps=2, samples=12), 1000)
+    s = scrape(mclient)
+    assert s[("fp8guard_ingest_batches_total", (("outcome", "stored"),))] == 1
+    assert s[("fp8guard_ingest_batches_total", (("outcome", "duplicate"),))] == 1
+    assert s[("fp8guard_ingest_samples_total", ())] == 12
+    assert s[("fp8guard_ingest_bytes_total", ())] == 2000
+
+
+def test_database_errors_counted(mclient: Any) -> None:
+    engine = mclient.app.state.store.engine
+    with pytest.raises(sa.exc.DBAPIError), engine.connect() as conn:
+        conn.execute(sa.text("SELECT * FROM no_such_table"))
+    s = scrape(mclient)
+    assert sum(v for k, v in s.items() if k[0] == "fp8guard_database_errors_total") == 1
+
+
+def test_alert_collector() -> None:
+    class Fake:
+        def stats(self) -> dict[str, dict[str, int]]:
+            return {"slack": {"sent": 3, "failed": 1}}
+
+        def backlog(self) -> dict[str, dict[str, int]]:
+            return {"slack": {"pending": 2}}
+
+    reg = CollectorRegistry()
+    reg.register(AlertCollector(Fake()))
+    text = generate_latest(reg).decode()
+    assert 'fp8guard_alert_deliveries_total{outcome="failed",sink="slack"} 1.0' in text
+    assert 'fp8guard_alert_outbox_rows{sink="slack",status="pending"} 2.0' in text
+
+
+def test_metrics_exposition_passes_promtool(mclient: Any) -> None:
+    promtool = tool("promtool")
+    register(mclient, "lint")
+    post(mclient, batch("lint", [1, 2], stats=STATS))
+    text = mclient.get("/metrics").text
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- a real Prometheus scraping a real server -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[str]:
+    """The app with metrics under uvicorn in a thread, on SQLite; yields host:port."""
+    import uvicorn
+
+    from fp8guard.service import Settings, create_app
+    from fp8guard.service.store import make_engine, upgrade
+
+    url = f"sqlite:///{tmp_path / 'prom.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    app = create_app(Settings(database_url=url))
+    if getattr(app.state, "metrics_registry", None) is None:
+        install_metrics(app, app.state.store)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            pytest.fail("uvicorn did not start")
+        time.sleep(0.05)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.slow
+def test_real_prometheus_scrapes_run_gauges(served: str, tmp_path: Path) -> None:
+    binary = tool("prometheus")
+    with httpx.Client(base_url=f"http://{served}") as api:
+        register(api, "prom-run")
+        assert post(api, batch("prom-run", [7, 8, 9], stats=STATS)).status_code == 200
+    port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: fp8guard\n    scrape_interval: 1s\n"
+        f"    static_configs:\n      - targets: ['{served}']\n"
+    )
+    log = (tmp_path / "prometheus.log").open("w+")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        value = None
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=2.0) as prom:
+            while value is None:
+                assert proc.poll() is None, "prometheus exited: " + (tmp_path / "prometheus.log").read_text()[-2000:]
+                if time.monotonic() > deadline:
+                    pytest.fail("prometheus never returned fp8guard_run_last_step: "
+                                + (tmp_path / "prometheus.log").read_text()[-2000:])
+                try:
+                    body = prom.get("/api/v1/query", params={"query": "fp8guard_run_last_step"}).json()
+                except (httpx.TransportError, ValueError):
+                    body = {}
+                result = body.get("data", {}).get("result", [])
+                if result:
+                    value = result[0]
+                else:
+                    time.sleep(0.25)
+        assert value["metric"]["run"] == "prom-run"
+        assert value["metric"]["job"] == "fp8guard"
+        assert float(value["value"][1]) == 9
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
