@@ -18,6 +18,7 @@ from fp8guard.service.routes import health, ingest, runs
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
+from fp8guard.service.web import web_router
 
 __all__ = ["create_app"]
 
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(health.router)
     app.include_router(ingest.router)
     app.include_router(runs.router)
+    app.include_router(web_router())
     install_metrics(app, store)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -29,6 +29,14 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
     echo "warning: could not install prometheus; the promtool/Prometheus tests will skip" >&2
   fi
 fi
+# Chromium for the browser tests (Debian's; Playwright drives it by path and never downloads one).
+if ! command -v chromium >/dev/null; then
+  if ! { command -v apt-get >/dev/null && $SUDO apt-get update -qq \
+         && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }; then
+    if [ "${CI:-}" = "true" ]; then echo "cannot install chromium" >&2; exit 1; fi
+    echo "warning: could not install chromium; the browser tests will skip" >&2
+  fi
+fi
 # Alertmanager: tests/service/test_alertmanager.py starts a real one (Debian installs the binary as
 # prometheus-alertmanager). Install it when missing; outside CI a failed install only skips those tests.
 if ! command -v alertmanager >/dev/null && ! command -v prometheus-alertmanager >/dev/null; then

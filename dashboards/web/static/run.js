@@ -1,0 +1,327 @@
+/* Run page: scalars with findings/actions/rollbacks, per-tensor heatmaps, scale timeline, tables.
+   Sets window.fp8guardReady once the heatmaps have rendered (bench/page_load.py waits on it). */
+"use strict";
+(function () {
+  const F = window.FP8;
+  const { api, el, clear, fmt, ptext, colors } = F;
+  const runId = document.body.dataset.runId;
+  const base = "/v1/runs/" + encodeURIComponent(runId);
+  const HEATMAPS = [
+    { stat: "amax", div: "hm-amax", log: true, scale: "Viridis", unit: "amax (absolute max)" },
+    { stat: "saturation", div: "hm-saturation", log: false, scale: "Cividis", unit: "saturation ratio" },
+    { stat: "overflows", div: null, log: false, scale: "Viridis", unit: "overflow count", title: "Overflows per tensor" },
+    { stat: "underflows", div: null, log: false, scale: "Cividis", unit: "underflow count", title: "Underflows per tensor" },
+  ];
+  const SEV = { critical: colors.vermillion, warning: colors.orange, info: colors.grey };
+  const ACT = { fallback: colors.blue, promote: colors.green, rollback: colors.purple, alert: colors.grey };
+  /* run.js loads before plotly.min.js (both deferred), so the heavy queries start while the
+     browser is still parsing plotly; drawing waits for it. */
+  const plotlyReady = window.Plotly ? Promise.resolve() : new Promise((resolve) => {
+    /* deferred scripts run before DOMContentLoaded, in document order */
+    document.addEventListener("DOMContentLoaded", () => resolve(), { once: true });
+  });
+  const state = { detail: null, key: null, smallKey: null, tensors: null, order: null };
+
+  /* ---------- ordering: tensors grouped by module, modules in order of first appearance ---------- */
+  function groupOrder(tensors) {
+    const first = new Map();
+    for (const t of tensors) { const m = t.module || t.name; if (!first.has(m)) first.set(m, t.index); }
+    const idx = tensors.map((t, i) => i);
+    idx.sort((a, b) => {
+      const ta = tensors[a], tb = tensors[b];
+      const ma = first.get(ta.module || ta.name), mb = first.get(tb.module || tb.name);
+      return ma - mb || ta.index - tb.index;
+    });
+    return idx;
+  }
+
+  /* ---------- markers: findings and actions as vertical-line traces on a hidden [0, 1] axis (one trace
+     per kind, cheap even for hundreds of markers) with hover text; rollbacks as shaded rectangles ---------- */
+  function markerTraces(findings, actions) {
+    const groups = new Map();
+    const add = (key, name, color, dash, x, hover) => {
+      if (!groups.has(key)) groups.set(key, { name, color, dash, lx: [], ly: [], px: [], ph: [] });
+      const g = groups.get(key);
+      g.lx.push(x, x, null); g.ly.push(0, 1, null); g.px.push(x); g.ph.push(hover);
+    };
+    for (const f of findings) add("f-" + f.severity, "finding: " + f.severity, SEV[f.severity] || colors.grey, "dot", f.step,
+      ptext("step " + f.step + ": " + f.rule + " [" + f.severity + "]") + "<br>" + ptext(f.explanation).slice(0, 300));
+    for (const a of actions) {
+      if (a.kind === "alert") continue;
+      const x = a.applied_step !== null && a.applied_step !== undefined ? a.applied_step : a.step;
+      add("a-" + a.kind, "action: " + a.kind, ACT[a.kind] || colors.grey, "dash", x,
+        ptext(a.kind + " (" + a.status + "), decided at step " + a.step + ", applied at " + x) + "<br>" + ptext(a.reason).slice(0, 300));
+    }
+    const traces = [];
+    for (const g of groups.values()) {
+      traces.push({ type: "scatter", mode: "lines", x: g.lx, y: g.ly, yaxis: "y2", name: g.name, legendgroup: g.name,
+        line: { color: g.color, dash: g.dash, width: 1.2 }, hoverinfo: "skip" });
+      traces.push({ type: "scatter", mode: "markers", x: g.px, y: g.px.map(() => 1), yaxis: "y2", name: g.name,
+        legendgroup: g.name, showlegend: false, marker: { color: g.color, size: 8, symbol: "triangle-down" },
+        text: g.ph, hovertemplate: "%{text}<extra></extra>" });
+    }
+    return traces;
+  }
+
+  function rollbackShapes(rollbacks) {
+    const shapes = [];
+    for (const e of rollbacks) {
+      const from = e.data && e.data.checkpoint_step;
+      if (from === null || from === undefined || e.step === null) continue;
+      shapes.push({ type: "rect", xref: "x", yref: "paper", x0: from, x1: e.step, y0: 0, y1: 1,
+        fillcolor: colors.grey, opacity: 0.12, line: { width: 0 }, layer: "below" });
+    }
+    return shapes;
+  }
+
+  /* ---------- scalars ---------- */
+  function bandTraces(series, field, name, color, extra) {
+    const xs = series.steps;
+    const lo = series.min[field].map(F.num), hi = series.max[field].map(F.num);
+    const unitHover = "step %{x}" + (series.bucket > 1 ? " (+" + (series.bucket - 1) + ")" : "");
+    if (series.bucket <= 1) {
+      return [Object.assign({ type: "scatter", mode: "lines", x: xs, y: hi, name, line: { color, width: 1.5 },
+        hovertemplate: name + " %{y:.5g}<br>" + unitHover + "<extra></extra>" }, extra || {})];
+    }
+    return [
+      Object.assign({ type: "scatter", mode: "lines", x: xs, y: lo, name: name + " (bucket min)", line: { color, width: 0.8 },
+        legendgroup: name, showlegend: false, hovertemplate: name + " min %{y:.5g}<br>" + unitHover + "<extra></extra>" }, extra || {}),
+      Object.assign({ type: "scatter", mode: "lines", x: xs, y: hi, name, line: { color, width: 0.8 }, fill: "tonexty",
+        legendgroup: name, hovertemplate: name + " max %{y:.5g}<br>" + unitHover + "<extra></extra>" }, extra || {}),
+    ];
+  }
+
+  async function drawScalars(detail, findings, actions, rollbacks) {
+    const lossDiv = document.getElementById("loss"), gradDiv = document.getElementById("grad");
+    const width = F.widthOf(lossDiv) - 80;
+    const lastSegment = Math.max(0, ...detail.ranks.filter((r) => r.rank === 0).map((r) => r.last_segment));
+    const segs = [];
+    for (let s = 0; s < lastSegment; s++) segs.push(s);
+    const [eff, ...abandoned] = await Promise.all([
+      api(base + "/scalars", { fields: "loss,grad_norm", width }),
+      ...segs.map((s) => api(base + "/scalars", { fields: "loss,grad_norm", width, segment: s })),
+    ]);
+    const marks = markerTraces(findings, actions), shapes = rollbackShapes(rollbacks);
+    for (const [field, div, label, color] of [["loss", lossDiv, "loss", colors.blue], ["grad_norm", gradDiv, "grad norm", colors.green]]) {
+      const traces = [];
+      abandoned.forEach((seg, i) => {
+        const s = segs[i];
+        const rb = rollbacks.find((e) => e.segment === s && e.data && e.data.checkpoint_step !== null && e.data.checkpoint_step !== undefined);
+        const cut = rb ? rb.data.checkpoint_step : -1;
+        const keep = seg.steps.map((x, j) => j).filter((j) => seg.steps[j] >= cut);
+        const sub = { bucket: seg.bucket, steps: keep.map((j) => seg.steps[j]),
+          min: { [field]: keep.map((j) => seg.min[field][j]) }, max: { [field]: keep.map((j) => seg.max[field][j]) } };
+        traces.push(...bandTraces(sub, field, "abandoned, segment " + s, colors.grey,
+          { line: { color: colors.grey, width: 1.2, dash: "dash" }, fill: "none" }));
+      });
+      traces.push(...bandTraces(eff, field, label, color), ...marks);
+      const layout = F.baseLayout({ shapes, margin: { l: 60, r: 20, t: 30, b: 40 },
+        yaxis: { title: { text: label }, zeroline: false },
+        yaxis2: { overlaying: "y", range: [0, 1.04], visible: false, fixedrange: true }, uirevision: "keep" });
+      await Plotly.react(div, traces, layout, F.plotConfig);
+    }
+  }
+
+  /* ---------- heatmaps ---------- */
+  function heatmapFigure(m, spec, order) {
+    const T = m.tensors.length, C = m.steps.length;
+    const mx = F.decodeF32(m.max), mn = F.decodeF32(m.min);
+    const z = new Array(T), cd = new Array(T), y = new Array(T);
+    let bad = null, lo = Infinity, hi = -Infinity;
+    for (let r = 0; r < T; r++) {
+      const t = order[r];
+      const off = t * C;
+      const row = new Float32Array(C);
+      const raw = mx.subarray(off, off + C);
+      for (let c = 0; c < C; c++) {
+        const v = raw[c];
+        if (mn[off + c] > v) { row[c] = NaN; continue; }       /* no data */
+        if (!Number.isFinite(v)) {                                 /* NaN / Inf seen in the bucket */
+          row[c] = NaN;
+          if (!bad) { bad = new Array(T); for (let k = 0; k < T; k++) bad[k] = new Float32Array(C).fill(NaN); }
+          bad[r][c] = 1;
+          continue;
+        }
+        const zv = spec.log ? (v > 0 ? Math.log10(v) : -Infinity) : v;
+        row[c] = zv;
+        if (zv > hi) hi = zv;
+        if (zv < lo && zv !== -Infinity) lo = zv;
+      }
+      z[r] = row; cd[r] = raw;
+      const tt = m.tensors[t];
+      y[r] = ptext(tt.name);
+    }
+    if (spec.log && Number.isFinite(lo)) for (const row of z) for (let c = 0; c < C; c++) if (row[c] === -Infinity) row[c] = lo;
+    const x = m.steps;
+    const bucket = m.bucket > 1 ? " (+" + (m.bucket - 1) + " steps)" : "";
+    const traces = [{
+      type: "heatmap", x, y, z, customdata: cd, colorscale: spec.scale, hoverongaps: false, zsmooth: "fast",
+      zmin: Number.isFinite(lo) ? lo : undefined, zmax: Number.isFinite(hi) ? hi : undefined,
+      colorbar: { title: { text: spec.log ? "log10 " + spec.stat : spec.stat, side: "right" }, thickness: 12 },
+      hovertemplate: "%{y}<br>step %{x}" + bucket + "<br>" + spec.unit + " (bucket max): %{customdata:.6g}<extra></extra>",
+    }];
+    if (bad) traces.push({ type: "heatmap", x, y, z: bad, colorscale: [[0, colors.vermillion], [1, colors.vermillion]],
+      showscale: false, hoverongaps: false, zsmooth: "fast", name: "non-finite",
+      hovertemplate: "%{y}<br>step %{x}" + bucket + "<br>NaN or Inf seen<extra></extra>" });
+    const layout = F.baseLayout({
+      showlegend: false, margin: { l: T <= 60 ? 260 : 60, r: 20, t: 10, b: 40 },
+      yaxis: { autorange: "reversed", showticklabels: T <= 60, title: { text: T <= 60 ? "" : T + " tensors (hover for names)" },
+        type: "category", automargin: false, tickfont: { size: 10 } },
+      plot_bgcolor: "#e6e6e6", uirevision: "keep",
+    });
+    return { traces, layout };
+  }
+
+  function drawHeatmaps(detail) {
+    const extra = document.getElementById("extra-heatmaps");
+    const jobs = [];
+    for (const spec of HEATMAPS) {
+      if (!detail.stats.includes(spec.stat)) continue;
+      let div = spec.div ? document.getElementById(spec.div) : document.getElementById("hm-" + spec.stat);
+      if (!div) {
+        extra.appendChild(el("h2", { text: spec.title + " (max over each step bucket)" }));
+        div = el("div", { id: "hm-" + spec.stat, class: "plot tall" });
+        extra.appendChild(div);
+      }
+      const width = F.widthOf(div) - 100;
+      jobs.push(api(base + "/matrix", { stat: spec.stat, encoding: "base64", width }).then((m) => ({ m, spec, div })));
+    }
+    for (const spec of HEATMAPS) {
+      if (spec.div && !detail.stats.includes(spec.stat)) {
+        const div = document.getElementById(spec.div);
+        clear(div); div.appendChild(el("p", { class: "note", text: "This run reports no " + spec.stat + " statistic." }));
+      }
+    }
+    const fetched = Promise.all(jobs);
+    const drawn = fetched.then(async (all) => {
+      await plotlyReady;
+      for (const { m, spec, div } of all) {
+        if (!state.order || state.order.length !== m.tensors.length) state.order = groupOrder(m.tensors);
+        const fig = heatmapFigure(m, spec, state.order);
+        await Plotly.react(div, fig.traces, fig.layout, F.plotConfig);
+      }
+    });
+    return { fetched, drawn };
+  }
+
+  /* ---------- scale timeline ---------- */
+  async function drawSeries() {
+    const tSel = document.getElementById("tensor-pick"), sSel = document.getElementById("stat-pick");
+    if (!tSel.value || !sSel.value) return;
+    const div = document.getElementById("scale");
+    const s = await api(base + "/tensors/" + encodeURIComponent(tSel.value) + "/series",
+      { stat: sSel.value, width: F.widthOf(div) - 80 });
+    const series = { bucket: s.bucket, steps: s.steps, min: { v: s.min }, max: { v: s.max } };
+    const traces = bandTraces(series, "v", s.stat, colors.blue);
+    const layout = F.baseLayout({ yaxis: { title: { text: s.stat }, zeroline: false },
+      annotations: [{ xref: "paper", yref: "paper", x: 0, y: 1, yanchor: "bottom", showarrow: false,
+        text: ptext(s.tensor.name), font: { size: 11 } }], margin: { l: 60, r: 20, t: 24, b: 40 } });
+    await Plotly.react(div, traces, layout, F.plotConfig);
+  }
+
+  function fillPickers(detail, tensors, findings) {
+    const tSel = document.getElementById("tensor-pick"), sSel = document.getElementById("stat-pick");
+    const order = groupOrder(tensors);
+    let wanted = tSel.value;
+    if (!wanted) {
+      const named = new Set(findings.flatMap((f) => (f.evidence && f.evidence.tensors) || []));
+      const hit = tensors.find((t) => named.has(t.name));
+      wanted = String(hit ? hit.index : (tensors.length ? tensors[order[0]].index : ""));
+    }
+    F.fillSelect(tSel, order.map((i) => [tensors[i].index, tensors[i].name + (tensors[i].format ? " [" + tensors[i].format + "]" : "")]), wanted);
+    F.fillSelect(sSel, detail.stats.map((s) => [s, s]), sSel.value || (detail.stats.includes("scale") ? "scale" : detail.stats[0]));
+  }
+
+  /* ---------- tables ---------- */
+  function compact(obj) {
+    if (obj === null || obj === undefined) return "";
+    const s = JSON.stringify(obj);
+    return s.length > 600 ? s.slice(0, 600) + "..." : s;
+  }
+
+  function drawTables(findings, actions, agentEvents, precision, checkpoints) {
+    const rows = [];
+    for (const f of findings) rows.push({ step: f.step, order: 0, source: "finding",
+      what: el("span", { class: "sev-" + f.severity, text: f.rule + " [" + f.severity + "]" }),
+      text: f.explanation + (f.onset_step !== null && f.onset_step !== undefined ? " (onset step " + f.onset_step + ")" : ""),
+      evidence: compact(Object.assign({ modules: f.modules }, f.evidence || {})) });
+    for (const a of actions) rows.push({ step: a.step, order: 1, source: "decision",
+      what: el("span", { text: a.kind + " (" + a.status + ")" + (a.applied_step !== null && a.applied_step !== undefined ? ", applied at " + a.applied_step : "") }),
+      text: a.reason + (a.error ? " error: " + a.error : ""), evidence: compact(a.payload) });
+    for (const e of agentEvents) rows.push({ step: e.step, order: 2, source: "agent",
+      what: el("span", { text: e.kind }), text: "segment " + e.segment + ", rank " + e.rank, evidence: compact(e.data) });
+    rows.sort((a, b) => (a.step || 0) - (b.step || 0) || a.order - b.order);
+    const tb = clear(document.querySelector("#timeline tbody"));
+    for (const r of rows) tb.appendChild(el("tr", {}, el("td", { class: "num", text: r.step === null ? "-" : r.step }),
+      el("td", { text: r.source }), el("td", {}, r.what), el("td", { text: r.text }), el("td", { class: "evidence", text: r.evidence })));
+    if (!rows.length) tb.appendChild(el("tr", {}, el("td", { colspan: 5, class: "note", text: "No findings or actions." })));
+
+    const pb = clear(document.querySelector("#precision tbody"));
+    for (const p of precision) pb.appendChild(el("tr", {}, el("td", { text: p.module }),
+      el("td", {}, el("span", { class: "prec-" + String(p.precision).toLowerCase(), text: String(p.precision).toUpperCase() })),
+      el("td", { class: "num", text: p.since_step === null ? "-" : p.since_step })));
+    if (!precision.length) pb.appendChild(el("tr", {}, el("td", { colspan: 3, class: "note", text: "Every module in FP8 (no switches)." })));
+
+    const cb = clear(document.querySelector("#checkpoints tbody"));
+    for (const c of checkpoints) cb.appendChild(el("tr", {}, el("td", { class: "num", text: c.step }),
+      el("td", { class: "num", text: c.segment }), el("td", { class: "num", text: c.rank }),
+      el("td", { text: c.known_good ? "yes (known good)" : "no" }), el("td", { class: "evidence", text: c.path || "" })));
+    if (!checkpoints.length) cb.appendChild(el("tr", {}, el("td", { colspan: 5, class: "note", text: "No checkpoints reported." })));
+  }
+
+  function drawSummary(d) {
+    document.getElementById("title").textContent = d.run_id + (d.model ? "  (" + d.model + ")" : "");
+    const box = clear(document.getElementById("summary"));
+    const item = (label, value, cls) => box.appendChild(el("div", {}, el("b", { text: label }), el("span", { class: cls || "", text: value })));
+    item("status", d.status, "badge st-" + d.status);
+    item("model", d.model || "-");
+    item("last step", d.last_step === null ? "-" : String(d.last_step));
+    item("last loss", fmt(d.last_loss));
+    item("tensors", String(d.num_tensors));
+    item("stats", d.stats.join(", ") || "-");
+    item("segments", String(1 + Math.max(0, ...d.ranks.map((r) => r.last_segment))));
+    item("ranks", String(d.ranks.length) + " / world " + d.world_size);
+  }
+
+  /* ---------- refresh loop ---------- */
+  async function refresh(first) {
+    const detail = await api(base);
+    drawSummary(detail);
+    const key = [detail.last_step, detail.samples, detail.status, detail.num_tensors, detail.stats.join(",")].join("|");
+    const dataChanged = key !== state.key;
+    state.key = key;
+    /* the heatmaps' matrices are the heaviest queries: ask for them first, the rest once they are in */
+    const heat = dataChanged ? drawHeatmaps(detail) : { fetched: Promise.resolve(), drawn: Promise.resolve() };
+    const ready = heat.drawn.then(() => {
+      if (dataChanged && !window.fp8guardReady) window.fp8guardReadyAt = performance.now();
+      window.fp8guardReady = true;
+    });
+    await heat.fetched;
+    await plotlyReady;
+    const [findings, actions, precision, checkpoints, events] = await Promise.all([
+      api(base + "/findings"), api(base + "/actions"), api(base + "/precision"), api(base + "/checkpoints"),
+      api(base + "/events", { limit: 10000 }),
+    ]);
+    const rollbacks = events.filter((e) => e.kind === "rollback_applied");
+    const agentEvents = events.filter((e) => e.kind === "rollback_applied" || e.kind === "fallback_applied" || e.kind === "promotion_applied");
+    const smallKey = [findings.length, actions.map((a) => a.status).join(","), events.length].join("|");
+    const marksChanged = smallKey !== state.smallKey;
+    state.smallKey = smallKey;
+    if (marksChanged || dataChanged) drawTables(findings, actions, agentEvents, precision, checkpoints);
+    const jobs = [ready];
+    if (dataChanged || marksChanged) jobs.push(drawScalars(detail, findings, actions, rollbacks));
+    if (dataChanged && (first || !state.tensors || state.tensors.length !== detail.num_tensors)) {
+      state.tensors = await api(base + "/tensors");
+      fillPickers(detail, state.tensors, findings);
+    }
+    if (dataChanged) jobs.push(drawSeries());
+    await Promise.all(jobs);
+    if (first) window.fp8guardAllDrawnAt = performance.now();
+  }
+
+  document.getElementById("tensor-pick").addEventListener("change", () => drawSeries().catch(F.showError));
+  document.getElementById("stat-pick").addEventListener("change", () => drawSeries().catch(F.showError));
+  refresh(true).then(() => F.setLive("live, updated " + new Date().toLocaleTimeString()))
+    .catch((e) => { F.showError(e); window.fp8guardError = String(e); });
+  F.every(() => refresh(false));
+})();
