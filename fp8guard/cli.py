@@ -93,7 +93,8 @@ def demo(
     result = run_demo(cfg)
     service = result.__dict__.pop("_service")
     print_summary(result, lambda line: typer.echo(line, err=True))
-    typer.echo(f"Run: {result.url}/v1/runs/{result.run_id}   API docs: {result.url}/docs", err=True)
+    typer.echo(f"Dashboard: {result.url}/runs/{result.run_id}   (all runs: {result.url}/, API: {result.url}/docs)",
+               err=True)
     if exit_after:
         service.close()
         typer.echo(json.dumps(result.summary_json()))
