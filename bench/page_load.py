@@ -11,23 +11,16 @@ browser cache) and warm reloads (plotly.min.js cached, as for a returning user).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-from fastapi import FastAPI
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._serve import free_port, serve
+from bench._serve import serve
 from bench.query import populate
 from fp8guard.service.store import Store, make_engine, upgrade
 
@@ -35,59 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-
-
-def make_app() -> FastAPI:
-    """``create_app()`` (settings from ``FP8GUARD_*`` variables) plus the dashboards."""
-    from fp8guard.service import create_app
-    from fp8guard.service.web import web_router
-
-    app = create_app()
-    if not any(getattr(r, "path", None) == "/static/{name}" for r in app.routes):
-        app.include_router(web_router())
-    return app
-
-
-@contextlib.contextmanager
-def serve_web(database_url: str, *, timeout: float = 60.0) -> Iterator[str]:
-    with serve(database_url, timeout=timeout) as base:
-        wired = httpx.get(f"{base}/static/style.css", timeout=5.0).status_code == 200
-        if wired:
-            yield base
-            return
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8GUARD_DATABASE_URL": database_url,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - a file, not a pipe: a full pipe would block the server
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "bench.page_load:make_app", "--factory", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning"],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"uvicorn exited: {log.read().decode(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the dashboard service did not become healthy in time")
-            time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 READY = "() => window.fp8guardReady === true || !!window.fp8guardError"
@@ -124,7 +64,7 @@ def main() -> None:
         store = Store.open(url)
         populate_s = populate(store, "big", args.steps, args.tensors)
         store.close()
-        with serve_web(url) as base, sync_playwright() as pw:
+        with serve(url) as base, sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             errors: list[str] = []
             context = browser.new_context(viewport={"width": args.viewport, "height": 1000})
