@@ -189,11 +189,11 @@ class Monitor:
         current = self._next_step if step is None else step
         i = ring.slot()
         if loss is not None:
-            ring.scalars[i, LOSS].copy_(_as_scalar(loss, ring.device), non_blocking=True)
+            _put(ring.scalars[i, LOSS], loss)
         if grad_norm is None and self.config.compute_grad_norm:
             grad_norm = self._device_grad_norm()
         if grad_norm is not None:
-            ring.scalars[i, GRAD_NORM].copy_(_as_scalar(grad_norm, ring.device), non_blocking=True)
+            _put(ring.scalars[i, GRAD_NORM], grad_norm)
         for src, sl in zip(self._sources, self._slices, strict=True):
             src.read(ring.stats[i, :, sl])
         if self._counting:
@@ -372,10 +372,13 @@ def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
     return total
 
 
-def _as_scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+def _put(slot: torch.Tensor, value: torch.Tensor | float) -> None:
+    """Write a scalar into a device slot: a device copy for tensors, a fill kernel for Python
+    numbers (no host tensor, so no host-to-device copy from pageable memory)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().reshape(())
-    return torch.tensor(float(value), dtype=torch.float32)
+        slot.copy_(value.detach().reshape(()), non_blocking=True)
+    else:
+        slot.fill_(float(value))
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
