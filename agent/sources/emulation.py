@@ -53,7 +53,9 @@ class EmulationSource:
         """Concatenate per-module fwd slots (input, weight) and bwd slot (grad_output), then put
         each module's three side by side: a handful of kernels instead of one per module."""
         joined = torch.cat([torch.cat(fwd, dim=dim), torch.cat(bwd, dim=dim)], dim=dim)
-        return joined.index_select(dim, self._perm.to(joined.device))
+        if self._perm.device != joined.device:  # once: no host-to-device copy per step
+            self._perm = self._perm.to(joined.device)
+        return joined.index_select(dim, self._perm)
 
     def _current_scales(self) -> torch.Tensor:
         mods = [m for _, m in self._modules]
