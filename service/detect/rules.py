@@ -8,6 +8,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +16,7 @@ import numpy.typing as npt
 __all__ = ["Spike", "amax_growth", "amax_growth_block", "consecutive", "robust_spike"]
 
 F64 = npt.NDArray[np.float64]
+F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 
 
@@ -78,8 +80,9 @@ def amax_growth(fast: F64, slow: F64, seen: I64, amax: F64, *, alpha_fast: float
     return fast, slow, seen, fast - slow
 
 
-def amax_growth_block(fast: F64, slow: F64, seen: I64, amax: F64, *, alpha_fast: float = 0.2,
-                      alpha_slow: float = 0.01) -> tuple[F64, F64, I64]:
+def amax_growth_block(fast: npt.NDArray[np.floating[Any]], slow: npt.NDArray[np.floating[Any]], seen: I64,
+                      amax: npt.NDArray[np.floating[Any]], *, alpha_fast: float = 0.2,
+                      alpha_slow: float = 0.01) -> tuple[F32, F32, I64]:
     """:func:`amax_growth` over a (steps, tensors) block at once; returns the per-step
     trajectories of the fast and slow averages and of ``seen`` (equal to the step-by-step
     rule wherever the amax was measured, and in the final state).
@@ -89,6 +92,7 @@ def amax_growth_block(fast: F64, slow: F64, seen: I64, amax: F64, *, alpha_fast:
     at most 128 steps keep P_t far from float64 underflow. A tensor seen for the first time
     starts both averages at its first value, which the recurrence then leaves unchanged.
     """
+    amax = amax.astype(np.float32, copy=False)
     ok = np.isfinite(amax) & (amax > 0)
     # float32 halves the work; log2 amax lives in [-150, 128] and the thresholds are whole
     # powers of two, so 7 significant digits are plenty.
@@ -110,5 +114,4 @@ def amax_growth_block(fast: F64, slow: F64, seen: I64, amax: F64, *, alpha_fast:
             p = np.cumprod(np.float32(1.0) - w, axis=0)
             out[lo:hi] = p * (y0[None, :] + np.cumsum(w * log_amax[lo:hi] / p, axis=0))
         fast, slow = out_fast[hi - 1], out_slow[hi - 1]
-    return (out_fast.astype(np.float64), out_slow.astype(np.float64),
-            (seen[None, :] + counts).astype(np.int64))
+    return out_fast, out_slow, (seen[None, :] + counts).astype(np.int64)
