@@ -270,8 +270,10 @@ class HttpTransport:
             raise ValueError(f"spool_max_bytes must be an int >= 0 (0 = no spooling), got {spool_max_bytes!r}")
         if not callable(sleep) or not callable(clock):
             raise ValueError("sleep and clock must be callables")
-        if client is not None and not isinstance(client, httpx.Client):
-            raise ValueError(f"client must be an httpx.Client (or None), got {type(client).__name__}")
+        # Duck-typed: any client with httpx.Client's post/put works (httpx, or the httpx2 fork
+        # that starlette's TestClient switches to when it is installed).
+        if client is not None and not all(callable(getattr(client, m, None)) for m in ("post", "put")):
+            raise ValueError(f"client must be an httpx.Client-like object (or None), got {type(client).__name__}")
 
         self._url = url.rstrip("/")
         self._run = run

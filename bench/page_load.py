@@ -24,7 +24,6 @@ from bench._serve import serve
 from bench.query import populate
 from fp8guard.service.store import Store, make_engine, upgrade
 
-ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]

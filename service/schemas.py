@@ -6,7 +6,6 @@ non-finite values the same way, because JSON itself has no NaN.
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -250,6 +249,3 @@ class EventOut(BaseModel):
     segment: int
     data: dict[str, Any]
 
-
-def finite_or_none(value: float | None) -> float | None:
-    return None if value is None or math.isnan(value) else value

@@ -35,6 +35,9 @@ class EmulationSource:
         ]
         # Column order of the concatenated [fwd input|weight of every module, bwd grad_output of
         # every module] views, permuted to one (input, weight, grad_output) triple per module.
+        # History lengths are fixed at construction: decide once whether one fused read works.
+        self._uniform_history = len({mod.amax_history_fwd.shape[0] for _, mod in self._modules}) == 1
+        self._mods = [mod for _, mod in self._modules]
         m = len(self._modules)
         self._perm = torch.tensor([j for k in range(m) for j in (2 * k, 2 * k + 1, 2 * m + k)])
         # The scale a completed amax was measured with is the one from *before* the update that
@@ -58,13 +61,12 @@ class EmulationSource:
         return joined.index_select(dim, self._perm)
 
     def _current_scales(self) -> torch.Tensor:
-        mods = [m for _, m in self._modules]
-        return self._columns([m.scale_fwd[:2] for m in mods], [m.scale_bwd[:1] for m in mods])
+        return self._columns([m.scale_fwd[:2] for m in self._mods], [m.scale_bwd[:1] for m in self._mods])
 
     def read(self, out: torch.Tensor) -> None:
-        mods = [m for _, m in self._modules]
+        mods = self._mods
         hist = self._columns([m.amax_history_fwd[:, :2] for m in mods], [m.amax_history_bwd[:, :1] for m in mods],
-                             dim=1) if len({m.amax_history_fwd.shape[0] for m in mods}) == 1 else None
+                             dim=1) if self._uniform_history else None
         if hist is not None and hist.shape[0] > 1:
             out[AMAX].copy_(hist[-1])  # row -1 after the roll: the latest completed amax
             out[HISTORY_MAX].copy_(hist.amax(dim=0))
@@ -89,7 +91,7 @@ class EmulationSource:
             m.collect_counts = enabled
 
     def read_counts(self, out: torch.Tensor) -> None:
-        mods = [m for _, m in self._modules]
+        mods = self._mods
         counts = self._columns([m.fp8_counts_fwd[:2] for m in mods], [m.fp8_counts_bwd[:1] for m in mods])
         out.copy_(counts.t())  # counts: [n, 2] int64 (overflow, underflow)
         for _, m in self._modules:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -35,6 +35,8 @@ from fp8guard.service.store.models import SqlRun
 from fp8guard.service.store.reader import Window
 
 __all__ = ["Store", "Window"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -152,56 +154,43 @@ class Store:
         with self._session() as s:
             return reader.run_detail(s, run_id)
 
-    def tensors(self, run_id: str) -> list[TensorInfo]:
+    def _for_run(self, run_id: str, query: Callable[[sa.Connection, int], T]) -> T:
+        """Run ``query(connection, run primary key)`` in a session; 404 for an unknown run."""
         with self._session() as s:
             conn = s.connection()
-            return reader.tensor_list(conn, reader.run_pk(conn, run_id))
+            return query(conn, reader.run_pk(conn, run_id))
+
+    def tensors(self, run_id: str) -> list[TensorInfo]:
+        return self._for_run(run_id, reader.tensor_list)
 
     def scalars(self, run_id: str, fields: Sequence[str], window: Window) -> ScalarSeries:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.scalar_series(conn, reader.run_pk(conn, run_id), fields, window)
+        return self._for_run(run_id, lambda conn, pk: reader.scalar_series(conn, pk, fields, window))
 
     def tensor_series(self, run_id: str, index: int, stat: str, window: Window) -> TensorSeries:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.tensor_series(conn, reader.run_pk(conn, run_id), index, stat, window)
+        return self._for_run(run_id, lambda conn, pk: reader.tensor_series(conn, pk, index, stat, window))
 
     def tensor_matrix(self, run_id: str, stat: str, window: Window) -> TensorMatrix:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.tensor_matrix(conn, reader.run_pk(conn, run_id), stat, window)
+        return self._for_run(run_id, lambda conn, pk: reader.tensor_matrix(conn, pk, stat, window))
 
     def events(self, run_id: str, *, kinds: Sequence[str] = (), start: int | None = None, end: int | None = None,
                limit: int = 1000) -> list[EventRecord]:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.event_list(conn, reader.run_pk(conn, run_id), kinds=kinds, start=start, end=end, limit=limit)
+        return self._for_run(run_id, lambda conn, pk: reader.event_list(conn, pk, kinds=kinds, start=start, end=end,
+                                                                         limit=limit))
 
     def findings(self, run_id: str) -> list[dict[str, Any]]:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.finding_list(conn, reader.run_pk(conn, run_id))
+        return self._for_run(run_id, reader.finding_list)
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.action_list(conn, reader.run_pk(conn, run_id))
+        return self._for_run(run_id, reader.action_list)
 
     def precision(self, run_id: str) -> list[dict[str, Any]]:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.precision_list(conn, reader.run_pk(conn, run_id))
+        return self._for_run(run_id, reader.precision_list)
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        with self._session() as s:
-            conn = s.connection()
-            return reader.checkpoint_list(conn, reader.run_pk(conn, run_id))
+        return self._for_run(run_id, reader.checkpoint_list)
 
     def commands(self, run_id: str) -> list[dict[str, Any]]:
-        with self._session() as s:
-            conn = s.connection()
-            return pending_commands(conn, reader.run_pk(conn, run_id))
+        return self._for_run(run_id, pending_commands)
 
     def ping(self) -> None:
         with self._session() as s:
