@@ -115,20 +115,33 @@ def qdq(x: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format | str) -> t
 
 
 def count_overflow_underflow(
-    x: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format | str
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    fmt: Fp8Format | str,
+    *,
+    scale_inv: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Exact ``[overflows, underflows]`` (int64, on ``x.device``) for casting ``x * scale`` to FP8.
 
-    * overflow: ``|x * scale| > fp8_max`` (the value gets clipped); +/-inf inputs count, NaN does not.
-    * underflow: nonzero finite ``x`` whose FP8 value is exactly zero. With round-to-nearest-even
-      that is precisely ``|x * scale| <= smallest_subnormal / 2`` (the tie rounds to even, i.e. 0),
-      which is the threshold CUDA's converter uses, so no cast is needed to count.
+    The definitions are Transformer Engine's ``LogFp8TensorStats`` (``overflows%``,
+    ``underflows%``), so the counts equal TE's own statistics on the same tensor:
+
+    * overflow: ``|x| > fp8_max * scale_inv`` in float32 (the value gets clipped); +/-inf count,
+      NaN does not. ``scale_inv`` defaults to the float32 ``1 / scale``, which is what TE's cast
+      kernels store as the FP8 tensor's ``_scale_inv``.
+    * underflow: nonzero ``x`` whose FP8 value is zero (TE: ``count_nonzero(x)`` minus the
+      nonzero FP8 bytes). With round-to-nearest-even that is precisely ``|x * scale| <=
+      smallest_subnormal / 2`` (the tie rounds to even, i.e. 0), the threshold CUDA's converter
+      uses, so no cast is needed to count. NaN and inf never round to zero.
     """
     f = _as_format(fmt)
+    xf = x.detach().to(torch.float32)
+    if scale_inv is None:
+        scale_inv = torch.reciprocal(torch.as_tensor(scale, dtype=torch.float32, device=x.device))
+    threshold = torch.as_tensor(scale_inv, dtype=torch.float32, device=x.device) * f.fp8_max
+    overflow = (xf.abs() > threshold).sum()
     mag = _scaled(x, scale).abs()
-    overflow = (mag > f.fp8_max).sum()
-    nonzero_finite = torch.isfinite(x) & (x != 0)
-    underflow = ((mag <= f.smallest_subnormal / 2) & nonzero_finite).sum()
+    underflow = ((mag <= f.smallest_subnormal / 2) & (xf != 0)).sum()
     return torch.stack((overflow, underflow)).to(torch.int64)
 
 

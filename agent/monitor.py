@@ -32,6 +32,7 @@ from fp8guard.agent.commands import Outcome, Remediator, parse_command
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.kernels import sum_of_squares_into, triton_available
 from fp8guard.agent.shipper import Shipper
 from fp8guard.agent.sources import discover_sources
 from fp8guard.agent.sources.base import COUNT_STATS, STATS, Source, TensorSpec
@@ -60,6 +61,7 @@ class Monitor:
         self._specs: list[TensorSpec] = []
         self._slices: list[slice] = []
         self._params: list[nn.Parameter] = []
+        self._norm_workspace: dict[str, Any] = {}
         self._optimizer: torch.optim.Optimizer | None = None
         self._ring: StepRing | None = None
         self._shipper: Shipper | None = None
@@ -171,6 +173,7 @@ class Monitor:
                 self._broken = True
                 log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
                 self._next_step = current + 1
+                self._stop_counting()
         on_step = getattr(self.remediator, "on_step", None)
         if on_step is not None:  # e.g. ends a lowered-learning-rate window after a rollback
             try:
@@ -268,16 +271,41 @@ class Monitor:
             self._arm_counts_for(self._next_step)
 
     def _device_grad_norm(self) -> torch.Tensor | None:
-        return device_grad_norm(self._params)
+        return device_grad_norm(self._params, workspace=self._norm_workspace)
 
     def _arm_counts_for(self, step: int) -> None:
         every = self.config.count_interval_steps
+        for src in self._sources:
+            prepare = getattr(src, "prepare_step", None)
+            if prepare is not None:  # sources that must know the cadence ahead (TE's inspection API)
+                prepare(step, every if self.reporting else 0)
         want = every > 0 and step % every == 0 and self.reporting
         if want != self._counting:
             for src in self._sources:
                 if src.supports_counts:
                     src.arm_counts(want)
             self._counting = want
+
+    def set_count_interval(self, steps: int) -> None:
+        """Change the exact-count cadence from the next step on (0 turns counting off), e.g. count
+        every step while investigating an incident and every 100th otherwise."""
+        if steps < 0:
+            raise ConfigError(f"count interval must be >= 0 (0 turns counting off), got {steps}")
+        self.config.count_interval_steps = int(steps)
+        if self._attached and not self._closed and not self._broken:
+            self._arm_counts_for(self._next_step)
+
+    def _stop_counting(self) -> None:
+        for src in self._sources:
+            try:
+                if src.supports_counts:
+                    src.arm_counts(False)
+                stop = getattr(src, "stop_counting", None)
+                if stop is not None:
+                    stop()
+            except Exception:
+                log.exception("fp8guard: could not switch counting off in %s", src.kind)
+        self._counting = False
 
     # -- shipping ---------------------------------------------------------------------------------
 
@@ -325,9 +353,7 @@ class Monitor:
         self._closed = True
         if self._shipper is not None:
             self._shipper.close(timeout_s)
-        for src in self._sources:
-            if src.supports_counts:
-                src.arm_counts(False)
+        self._stop_counting()
 
     def __enter__(self) -> Monitor:
         return self
@@ -362,11 +388,21 @@ class Monitor:
         self._applied_ids |= set(state.get("applied_commands", []))
 
 
-def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
-    """Global L2 norm of the gradients, computed on the device (no host sync); None without grads."""
+def device_grad_norm(params: Iterable[nn.Parameter], *, workspace: dict[str, Any] | None = None) -> torch.Tensor | None:
+    """Global L2 norm of the gradients, computed on the device (no host sync); None without grads.
+
+    On a GPU with Triton the large gradients are read by a fused sum-of-squares kernel near
+    memory bandwidth (``workspace`` keeps its partials buffer between calls); elsewhere, and for
+    the small tensors, ``torch._foreach_norm``."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
+    device = grads[0].device
+    if triton_available(device) and all(g.device == device for g in grads):
+        ws = workspace if workspace is not None else {}
+        out = torch.empty((), dtype=torch.float32, device=device)
+        ws["partials"] = sum_of_squares_into(out, grads, partials=ws.get("partials"))
+        return out.sqrt_()
     norms = torch._foreach_norm(grads)
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     return total

@@ -106,6 +106,7 @@ def main() -> None:
         _skip(f"FP8 not available on {torch.cuda.get_device_name()}: {why}")
 
     from fp8guard.agent import Monitor, MonitorConfig, NullTransport
+    from fp8guard.agent.kernels import triton_available
 
     records = _Records()
     logging.getLogger("fp8guard").addHandler(records)
@@ -192,9 +193,11 @@ def main() -> None:
     # (without the back-pressure of a launch queue that the backward filled).
     gpu_ms: list[float] = []
     norm_ms: list[float] = []
+    foreach_ms: list[float] = []
     rest_ms: list[float] = []
     grad_bytes = 0
     idle_host_us: list[float] = []
+    norm_rel_diff = float("nan")
     for k in range(2 * args.probe_steps):
         with te.autocast(enabled=True, recipe=recipe):
             h = x
@@ -206,12 +209,17 @@ def main() -> None:
         if k < args.probe_steps:
             # The default monitor.step split in two: the grad norm it computes, then the rest
             # (loss copy, TE read, ring writes) with that norm handed in.
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
             ev[0].record()
             gn = monitor._device_grad_norm()
             ev[1].record()
             monitor.step(loss, grad_norm=gn)
             ev[2].record()
+            # The previous default, for comparison: torch._foreach_norm over every gradient.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            ev[3].record()
+            old = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            ev[4].record()
             grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                              if p.grad is not None)
             opt.zero_grad(set_to_none=True)
@@ -220,6 +228,8 @@ def main() -> None:
                 norm_ms.append(ev[0].elapsed_time(ev[1]))
                 rest_ms.append(ev[1].elapsed_time(ev[2]))
                 gpu_ms.append(ev[0].elapsed_time(ev[2]))
+                foreach_ms.append(ev[3].elapsed_time(ev[4]))
+                norm_rel_diff = float((gn - old).abs() / old)
         else:
             torch.cuda.synchronize()
             c0 = time.perf_counter()
@@ -314,7 +324,11 @@ def main() -> None:
             "grad_norm_ms": round(statistics.median(norm_ms), 4) if norm_ms else None,
             "rest_ms": round(statistics.median(rest_ms), 4) if rest_ms else None,
             "grad_bytes_GB": round(grad_bytes / 1e9, 3),
-            "grad_norm_GBps": round(grad_bytes / 1e6 / statistics.median(norm_ms)) if norm_ms else None},
+            "grad_norm_GBps": round(grad_bytes / 1e6 / statistics.median(norm_ms)) if norm_ms else None,
+            "grad_norm_kernel": "triton" if triton_available(torch.device("cuda")) else "foreach",
+            "foreach_norm_ms": round(statistics.median(foreach_ms), 4) if foreach_ms else None,
+            "foreach_norm_GBps": round(grad_bytes / 1e6 / statistics.median(foreach_ms)) if foreach_ms else None,
+            "norm_rel_diff_vs_foreach": norm_rel_diff},
         "monitor_step_host_us_idle_gpu_median": round(statistics.median(idle_host_us), 1),
         "tokens_per_s_plain": round(S * B / (plain_ms / 1e3)),
         "timed_s": round(timed_s, 1),

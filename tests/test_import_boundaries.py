@@ -22,7 +22,8 @@ def test_service_never_imports_torch() -> None:
 def test_agent_imports_no_service_dependencies() -> None:
     pytest.importorskip("torch")
     mods = _loaded_after("import fp8guard.agent")
-    for heavy in ("fastapi", "sqlalchemy", "pydantic", "fp8guard.service", "starlette", "alembic"):
+    for heavy in ("fastapi", "sqlalchemy", "pydantic", "fp8guard.service", "starlette", "alembic", "triton",
+                  "nvdlfw_inspect"):
         assert heavy not in mods, f"importing fp8guard.agent pulled in {heavy}"
 
 

@@ -72,12 +72,14 @@ from fp8guard.agent.errors import ConfigError, SourceUnavailable
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow, nan_ignoring_amax
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, Source, TensorSpec
 
-__all__ = ["BoundarySlots", "TESource", "discover", "te_current_scale"]
+__all__ = ["BoundarySlots", "ExactCounts", "TESource", "discover", "te_current_scale"]
 
 log = logging.getLogger("fp8guard.agent")
 
 BoundarySlots = Literal["auto", "all", "none"]
 """Output / grad_input slots: ``auto`` keeps those whose history is nonzero at attach."""
+ExactCounts = Literal["auto", "inspect", "hooks"]
+"""How exact counts are taken; ``auto``: ``inspect`` where TE's debug tools import, else ``hooks``."""
 
 _Side = Literal["fwd", "bwd"]
 _FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -320,7 +322,7 @@ class TESource:
     kind = "te"
 
     def __init__(self, modules: Sequence[tuple[str, nn.Module]], *,
-                 boundary_slots: BoundarySlots = "auto") -> None:
+                 boundary_slots: BoundarySlots = "auto", exact_counts: ExactCounts = "auto") -> None:
         te = _load_te(required=True)
         assert te is not None
         self._te = te
@@ -389,7 +391,21 @@ class TESource:
         else:
             self._scale_in_use = torch.ones(n, dtype=torch.float32, device=device)
         self._handles: list[Any] = []
-        self._install_hooks()
+        if exact_counts not in ("auto", "inspect", "hooks"):
+            raise ConfigError(f"exact_counts must be 'auto', 'inspect' or 'hooks', got {exact_counts!r}")
+        self.exact_counts: Literal["inspect", "hooks"] = (
+            "inspect" if exact_counts == "inspect" or (exact_counts == "auto" and not self._block and _inspect_importable())
+            else "hooks")
+        """How exact counts are taken: ``inspect`` (every operand, TE's tensor-inspection API and
+        fp8guard's fused kernel) or ``hooks`` (module hooks: the operands they can reach)."""
+        self._inspect: Any = None
+        self._inspect_open = False
+        if self.exact_counts == "inspect":
+            from fp8guard.agent.sources import te_inspect
+
+            self._inspect = te_inspect.InspectCounts(self._inspect_targets(te_inspect.TENSOR_NAMES), self._counts)
+        if self._mode == "hooks" or self.exact_counts == "hooks":
+            self._install_hooks()
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -572,7 +588,50 @@ class TESource:
     @property
     def counted(self) -> tuple[bool, ...]:
         """Per column: whether exact counts are measured (False: the count stays 0)."""
+        if self._inspect is not None:
+            indexes = {t.index for t in self._inspect.targets.values()}
+            return tuple(c.index in indexes for c in self._columns)
         return tuple(c.hooked and not self._block for c in self._columns)
+
+    def _inspect_targets(self, names: dict[str, str]) -> dict[tuple[str, str], tuple[int, Fp8Format]]:
+        """(TE debug layer name, TE tensor name) -> (column, format) for every countable operand."""
+        targets: dict[tuple[str, str], tuple[int, Fp8Format]] = {}
+        owners: dict[str, str] = {}
+        for c in self._columns:
+            tensor_name = names.get(c.spec.role)
+            if tensor_name is None or c.kind not in ("linear", "layernorm_linear", "layernorm_mlp"):
+                continue  # GroupedLinear splits on the device; te.ops has no debug path
+            te_name = getattr(c.module, "name", None)
+            if not isinstance(te_name, str) or not te_name:
+                raise ConfigError(f"te source: {c.spec.module} has no TE module name; exact counts need one "
+                                  "(TE names modules itself unless name=None is forced)")
+            qualified = c.spec.module[:-4] if c.kind == "layernorm_mlp" else c.spec.module
+            if owners.setdefault(te_name, qualified) != qualified:
+                raise ConfigError(f"te source: TE modules {owners[te_name]} and {qualified} share the name "
+                                  f"{te_name!r}; exact counts tell operands apart by TE's module names: give "
+                                  "them unique name= arguments")
+            layer = te_name + (c.spec.module[-4:] if c.kind == "layernorm_mlp" else "")
+            targets[(layer, tensor_name)] = (c.index, c.fmt)
+        return targets
+
+    def prepare_step(self, step: int, count_every: int) -> None:
+        """Called by the Monitor before each step: the step number and the counting cadence
+        (0: this rank never counts). Opens TE's debug session the first time counting is due."""
+        counter = self._inspect
+        if counter is None:
+            return
+        if count_every > 0 and not self._inspect_open:
+            from fp8guard.agent.sources import te_inspect
+
+            te_inspect.attach(counter)
+            self._inspect_open = True
+        changed = count_every != counter.every
+        counter.every = count_every
+        if self._inspect_open and counter.owning:
+            from fp8guard.agent.sources import te_inspect
+
+            # A new cadence invalidates the 'next debug iteration' TE cached from the old one.
+            te_inspect.set_iteration(step, [m for _, m in self._switchable], requery=changed)
 
     def _live_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         hists: list[torch.Tensor] = []
@@ -681,9 +740,14 @@ class TESource:
 
     @property
     def supports_counts(self) -> bool:
+        if self._inspect is not None:
+            return bool(self._inspect.targets)
         return not self._block and any(c.hooked for c in self._columns)
 
     def arm_counts(self, enabled: bool) -> None:
+        if self._inspect is not None:
+            self._inspect.armed = enabled and self._inspect_open and self.supports_counts
+            return
         self._counting = enabled and self.supports_counts
 
     def read_counts(self, out: torch.Tensor) -> None:
@@ -722,12 +786,24 @@ class TESource:
                 if callable(reset):
                     reset()
 
+    def stop_counting(self) -> None:
+        """Leave TE's debug path for good (monitor closed or switched off): TE is told that no
+        counting is ever due again, so its layers stay on the normal fused path."""
+        if self._inspect is not None and self._inspect_open:
+            from fp8guard.agent.sources import te_inspect
+
+            te_inspect.detach(self._inspect)
+            self._inspect_open = False
+            if self._inspect.owning:
+                te_inspect.bump_iteration([m for _, m in self._switchable])
+
     def close(self) -> None:
         """Remove the module hooks (the source reads nothing afterwards)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._measure = self._counting = False
+        self.stop_counting()
 
 
 def _check_role(name: str, roles: list[Any] | None, slot: int, pos: str) -> None:
@@ -744,7 +820,17 @@ def _check_role(name: str, roles: list[Any] | None, slot: int, pos: str) -> None
                     name, slot, pos, tensor_type)
 
 
-def discover(model: nn.Module, *, required: bool, boundary_slots: BoundarySlots = "auto") -> Source | None:
+def _inspect_importable() -> bool:
+    try:
+        import nvdlfw_inspect.api  # noqa: F401
+        import transformer_engine.debug.pytorch.debug_state  # noqa: F401
+    except Exception:  # absent, or a TE without its debug tools
+        return False
+    return True
+
+
+def discover(model: nn.Module, *, required: bool, boundary_slots: BoundarySlots = "auto",
+             exact_counts: ExactCounts = "auto") -> Source | None:
     """A source over the model's TE modules, or None when the model has none.
 
     Raises :class:`SourceUnavailable` when ``required`` and TE cannot be imported, and
@@ -762,4 +848,4 @@ def discover(model: nn.Module, *, required: bool, boundary_slots: BoundarySlots 
             log.info("fp8guard: te source does not monitor FP8 attention (%s)", name)
     if not found:
         return None
-    return TESource(found, boundary_slots=boundary_slots)
+    return TESource(found, boundary_slots=boundary_slots, exact_counts=exact_counts)

@@ -46,6 +46,12 @@ class GuardConfig(BaseModel):
     """Outlier amplification: fast amax average over slow average (both in log2)."""
     amax_growth_steps: int = Field(default=5, ge=1)
     amax_growth_warmup: int = Field(default=50, ge=1)
+    stale_scale_factor: float = Field(default=256.0, gt=1)
+    """Scale pinned by a past outlier: the amax history's maximum (which sets a delayed-scaling
+    scale under ``max``) is at least this many times the tensor's current amax..."""
+    stale_scale_steps: int = Field(default=20, ge=1)
+    """...for this many consecutive measured steps. One outlier can pin the scale for the whole
+    history (1,024 steps by default), flushing the tensor's ordinary values towards zero."""
     underflow_growth_factor: float = Field(default=10.0, gt=1)
     underflow_min: float = Field(default=1000.0, ge=0)
     underflow_checks: int = Field(default=3, ge=1)

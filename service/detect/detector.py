@@ -43,6 +43,7 @@ class Detector:
         self.growth_run = _arr(s.get("growth_run"), n, np.int64)
         self.under_base = _arr(s.get("under_base"), n, np.float32, fill=-1.0)
         self.under_run = _arr(s.get("under_run"), n, np.int64)
+        self.stale_run = _arr(s.get("stale_run"), n, np.int64)  # consecutive steps with a pinned scale
         self.threshold = np.array([config.saturation_bwd if t.backward else config.saturation_fwd
                                    for t in self.tensors], dtype=np.float64)
 
@@ -77,6 +78,9 @@ class Detector:
                 elif name == "underflows":
                     for i, step in enumerate(block.steps.tolist()):
                         findings += self._underflow(step, values[i])
+            if "amax" in block.stats and "amax_history_max" in block.stats:
+                findings += self._stale(block.steps, block.values[:, block.stats.index("amax"), :n],
+                                        block.values[:, block.stats.index("amax_history_max"), :n])
         return findings
 
     def _cool(self, key: str, step: int) -> bool:
@@ -185,6 +189,36 @@ class Detector:
             evidence={"tensors": [self.tensors[i].name for i in idx[:20].tolist()],
                       "growth_x": [float(2 ** growth[i]) for i in idx[:20].tolist()], "count": int(idx.size)})]
 
+    def _stale(self, steps: np.ndarray[Any, Any], amax: np.ndarray[Any, Any],
+               hist_max: np.ndarray[Any, Any]) -> list[Finding]:
+        """A delayed-scaling scale pinned by an outlier still in the amax history: the history's
+        maximum dwarfs every recent amax, so ordinary values are cast far below the FP8 range."""
+        cfg = self.config
+        with np.errstate(invalid="ignore", over="ignore"):
+            measured = np.isfinite(amax) & (amax > 0) & np.isfinite(hist_max)
+            pinned = measured & (hist_max > cfg.stale_scale_factor * amax) & (self.seen >= cfg.amax_growth_warmup)
+        runs = rules.consecutive(self.stale_run, pinned)
+        # a step that measured nothing (module in BF16) ends the episode: its history rolls zeros
+        self.stale_run = np.where(measured[-1], runs[-1], 0)
+        hit = np.flatnonzero((runs >= cfg.stale_scale_steps).any(axis=1))
+        if hit.size == 0:
+            return []
+        row = int(hit[0])
+        step, idx = int(steps[row]), np.flatnonzero(runs[row] >= cfg.stale_scale_steps)
+        if not self._cool("stale_scale", step):
+            return []
+        ratio = hist_max[row, idx] / amax[row, idx]
+        worst = idx[int(np.argmax(ratio))]
+        return [Finding(
+            rule="stale_scale", severity=Severity.WARNING, step=step, onset_step=step - cfg.stale_scale_steps + 1,
+            modules=self._modules(idx),
+            explanation=(f"The FP8 scale of {idx.size} tensor(s) is pinned by a past outlier: for "
+                         f"{cfg.stale_scale_steps}+ steps the amax history held {float(ratio.max()):.3g}x the current "
+                         f"amax of {self.tensors[worst].name}, so its ordinary values are cast far below the FP8 "
+                         "range (precision lost, values flushed to zero) until the outlier leaves the history."),
+            evidence={"tensors": [self.tensors[i].name for i in idx[:20].tolist()],
+                      "history_over_amax": [float(r) for r in ratio[:20].tolist()], "count": int(idx.size)})]
+
     def _underflow(self, step: int, under: np.ndarray[Any, Any]) -> list[Finding]:
         cfg = self.config
         base = self.under_base
@@ -205,7 +239,7 @@ class Detector:
                       "underflows": [float(under[i]) for i in idx[:20].tolist()], "count": int(idx.size)})]
 
 
-_ARRAYS = ("sat_run", "fast", "slow", "seen", "growth_run", "under_base", "under_run")
+_ARRAYS = ("sat_run", "fast", "slow", "seen", "growth_run", "under_base", "under_run", "stale_run")
 
 
 def _pack(a: np.ndarray[Any, Any]) -> dict[str, str]:

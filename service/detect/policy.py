@@ -1,7 +1,8 @@
 """Policy: from findings and the run's situation to auditable decisions (pure functions).
 
-- FP8 numerics implicating some modules (saturation, amax growth, inf amax): BF16 fallback of
-  those modules, or of the whole model when at least ``widespread_fraction`` are implicated.
+- FP8 numerics implicating some modules (saturation, amax growth, inf amax, a scale pinned by a
+  past outlier): BF16 fallback of those modules, or of the whole model when at least
+  ``widespread_fraction`` are implicated; their re-promotion later resets the FP8 state.
 - Loss spike, non-finite loss or gradient norm: rollback to the newest known-good checkpoint at
   least ``rollback_margin_steps`` before the onset, skipping the bad window's batches plus
   ``skip_batches`` (PaLM: restart ~100 steps before the spike, skip 200-500 batches).
@@ -21,7 +22,7 @@ from fp8guard.service.detect.types import Finding, Severity
 
 __all__ = ["Decision", "RunView", "decide", "promotions"]
 
-_NUMERICS = ("saturation", "amax_growth", "inf_amax")
+_NUMERICS = ("saturation", "amax_growth", "inf_amax", "stale_scale")
 _ROLLBACK = ("loss_spike", "nonfinite")
 
 

@@ -217,12 +217,15 @@ def test_update_amax_history_single_row_and_errors() -> None:
 
 
 def brute_force_counts(x: torch.Tensor, scale: float, fmt: Fp8Format) -> tuple[int, int]:
-    """Element by element, with the product rounded to float32 and torch's unclamped float8 cast."""
-    prod = (x.float() * torch.tensor(scale, dtype=torch.float32)).tolist()
+    """Element by element, with the product rounded to float32 and torch's unclamped float8 cast.
+
+    Overflow as TE's LogFp8TensorStats defines it: ``|x| > fp8_max * scale_inv`` in float32."""
+    scale_inv = torch.reciprocal(torch.tensor(scale, dtype=torch.float32))
+    threshold = float(scale_inv * fmt.fp8_max)
     cast = (x.float() * torch.tensor(scale, dtype=torch.float32)).to(fmt.dtype).float().tolist()
     over = under = 0
-    for v, p, c in zip(x.float().tolist(), prod, cast, strict=True):
-        if not math.isnan(p) and abs(p) > fmt.fp8_max:
+    for v, c in zip(x.float().tolist(), cast, strict=True):
+        if not math.isnan(v) and abs(v) > threshold:
             over += 1
         if math.isfinite(v) and v != 0.0 and c == 0.0:
             under += 1

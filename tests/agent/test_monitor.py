@@ -193,3 +193,31 @@ def test_plain_model_reports_scalars_only(client) -> None:
     monitor.close()
     s = client.get("/v1/runs/plain/scalars", params={"fields": "loss"}).json()
     assert s["steps"] == [0, 1, 2] and all(math.isfinite(v) for v in s["min"]["loss"])
+
+
+def test_count_cadence_reaches_sources_ahead_and_can_change() -> None:
+    """Sources that must know the counting cadence ahead (TE's inspection API decides before
+    each forward whether a layer takes its debug path) hear the step and cadence before every
+    step; ``set_count_interval`` changes it at run time and bad values fail fast."""
+    seen: list[tuple[int, int]] = []
+    monitor = Monitor(MonitorConfig(url=None, count_interval_steps=3), transport=NullTransport())
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    emulate_fp8(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor.attach(model, opt)
+    src = monitor.sources[0]
+    src.prepare_step = lambda step, every: seen.append((step, every))  # type: ignore[attr-defined]
+    data = TextBatches(stdlib_text(100_000), block_size=TINY.block_size, batch_size=2)
+    for i in range(5):
+        if i == 3:
+            monitor.set_count_interval(1)
+        x, y = data.next()
+        _, loss = model(x, y)
+        loss.backward()
+        monitor.step(loss)
+        opt.zero_grad()
+    assert seen == [(1, 3), (2, 3), (3, 3), (3, 1), (4, 1), (5, 1)]
+    with pytest.raises(ConfigError, match=">= 0"):
+        monitor.set_count_interval(-1)
+    monitor.close()

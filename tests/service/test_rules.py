@@ -145,3 +145,41 @@ def test_guard_config_validation(dry_run: bool) -> None:
         GuardConfig(saturation_fwd=0.5)
     with pytest.raises(ValueError, match="extra"):
         GuardConfig.model_validate({"nonsense": 1})
+
+
+def _history_block(amax: np.ndarray, history: int = 1024) -> StatBlock:
+    """Stats as a delayed-scaling source reports them: the history max over the last ``history`` steps."""
+    hist_max = np.stack([amax[max(0, t - history + 1):t + 1].max(axis=0) for t in range(amax.shape[0])])
+    sat = amax / hist_max
+    vals = np.stack([amax, 448.0 / hist_max, sat, hist_max], axis=1).astype(np.float32)
+    return StatBlock(stats=("amax", "scale", "saturation", "amax_history_max"), steps=np.arange(amax.shape[0]),
+                     values=vals)
+
+
+def test_stale_scale_fires_after_a_single_outlier_pins_the_history() -> None:
+    """One outlier of 10,000x in step 100: the 1,024-step history keeps the scale pinned."""
+    rng = np.random.default_rng(5)
+    amax = np.exp(0.3 * rng.normal(size=(300, 4)))  # healthy: amax wobbles around 1
+    amax[100, 2] = 1e4
+    det = Detector(GuardConfig(), _metas(4))
+    found = det.observe([], [_history_block(amax)])
+    assert [f.rule for f in found] == ["stale_scale"]
+    f = found[0]
+    assert f.modules == ("l1",) and f.step == 100 + GuardConfig().stale_scale_steps
+    assert f.evidence["tensors"] == ["l1:fwd_input"] and f.evidence["history_over_amax"][0] > 256
+    # the policy falls that module back to BF16 (its later re-promotion resets the FP8 state)
+    d = decide(found, RunView(step=f.step, modules=["l0", "l1", "l2", "l3"], bf16={}, rollback_pending=False, known_good=[],
+                              recent_rollbacks=[]), GuardConfig())
+    assert [(x.kind, x.payload["modules"]) for x in d] == [("fallback", ["l1"])]
+
+
+def test_stale_scale_quiet_on_healthy_decay_and_in_bf16() -> None:
+    rng = np.random.default_rng(6)
+    # amax halving over the run (weights decaying, gradients shrinking) stays well inside 256x
+    amax = np.exp(0.3 * rng.normal(size=(1500, 4))) * np.exp2(-np.linspace(0, 4, 1500))[:, None]
+    assert Detector(GuardConfig(), _metas(4)).observe([], [_history_block(amax)]) == []
+    # a module in BF16 reports amax 0: never "pinned"
+    amax2 = np.ones((200, 2))
+    amax2[50, 0] = 1e4
+    amax2[51:, 0] = 0.0
+    assert Detector(GuardConfig(), _metas(2)).observe([], [_history_block(amax2)]) == []

@@ -1,0 +1,232 @@
+"""Fused device kernels: exact FP8 cast counts and the gradients' sum of squares.
+
+The only module of fp8guard that imports Triton (optional: the agent's dependencies stay torch
+and httpx). Every function has a torch path that gives the same integers (counts) or the same
+value up to float32 summation order (sum of squares); it runs where Triton or a GPU is missing.
+Triton's CPU interpreter (``TRITON_INTERPRET=1``) runs the Triton path on CPU tensors, which is
+how CI checks the kernels against the torch reference.
+
+Counting (:func:`count_cast_into`) follows Transformer Engine's ``LogFp8TensorStats``
+definitions (see :func:`fp8guard.agent.fp8.count_overflow_underflow`) and reads as little as the
+definition allows. Given the FP8 bytes TE produced from the high-precision tensor, an element can
+only be an underflow if its byte is +/-0, and only be an overflow if its byte is the format's
+maximum (satfinite casts clip there; a NaN or inf byte is looked at too): the kernel reads the
+1-byte FP8 tensor and fetches the 2-byte high-precision value only where the byte says it might
+count. On real tensors few bytes are 0 or max, so the pass reads a little over one byte per
+element instead of two. Without FP8 bytes it reads the high-precision tensor once, using the
+scale the cast used.
+
+Nothing here synchronises with the host: results accumulate into device buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow
+
+__all__ = ["count_cast_into", "sum_of_squares_into", "triton_available"]
+
+_BLOCK = 4096
+_MAX_CODE = {Fp8Format.E4M3: 0x7E, Fp8Format.E5M2: 0x7B}
+"""Magnitude bits of the largest finite value: 448 (E4M3 0x7E; 0x7F is NaN) and 57344 (E5M2 0x7B;
+0x7C is inf and above are NaN). Bytes at or above it are checked against the threshold."""
+_HP_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_NONZERO_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
+"""Zero test on the bits (sign cleared): correct for subnormal inputs whatever the float mode."""
+_SUMSQ_MIN_NUMEL = 1 << 20
+"""Tensors this large get a Triton launch of their own; smaller ones go through torch's foreach."""
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.cache
+def _triton() -> Any:
+    """The compiled kernels, or None when Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # not installed, or a broken install: the torch path is exact too
+        return None
+
+    @triton.jit
+    def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
+                     FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
+                     NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
+                     BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        # TE's threshold: fp8_max * scale_inv, one float32 product.
+        thr = tl.load(sinv_ptr) * FP8_MAX
+        scale = tl.load(scale_ptr)
+        over = tl.zeros([BLOCK], dtype=tl.int32)
+        under = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(ITERS):  # program pid owns blocks pid*ITERS .. pid*ITERS+ITERS-1
+            offs = (pid * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            inside = offs < n
+            if FROM_BYTES:
+                mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                zero = mag == 0
+                top = mag >= MAX_CODE
+                need = inside & (zero | top)
+                bits = tl.load(x_ptr + offs, mask=need, other=0)
+            else:
+                bits = tl.load(x_ptr + offs, mask=inside, other=0)
+            nonzero = (bits & NZ_MASK) != 0
+            if HP_KIND == 0:
+                x = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+            elif HP_KIND == 1:
+                x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                x = bits.to(tl.float32, bitcast=True)
+            big = tl.abs(x) > thr  # NaN compares false, as in TE
+            if FROM_BYTES:
+                over += (big & top & need).to(tl.int32)
+                under += (nonzero & zero & need).to(tl.int32)
+            else:
+                over += big.to(tl.int32)
+                under += (nonzero & (tl.abs(x * scale) <= HALF_SUB)).to(tl.int32)
+        tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
+
+    @triton.jit
+    def sumsq_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(ITERS):
+            offs = (pid * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc += x * x
+        # One partial per program into its own slot: the final sum is deterministic.
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    return count_kernel, sumsq_kernel
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on ``device`` (CUDA, or CPU when interpreting)."""
+    if device.type != "cuda" and not (device.type == "cpu" and _interpret()):
+        return False
+    return _triton() is not None
+
+
+@functools.cache
+def _max_programs(device_index: int) -> int:
+    """Enough programs to fill the GPU a few times over; each then loops over its blocks."""
+    if _interpret():
+        return 4
+    return 8 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
+    """(programs, blocks per program). Blocks per program is a power of two and a compile-time
+    constant (a handful of kernel variants in all, and a loop the compiler can unroll)."""
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    blocks = -(-n // _BLOCK)
+    iters = 1
+    while blocks > iters * _max_programs(index):
+        iters *= 2
+    return -(-blocks // iters), iters
+
+
+def count_cast_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fmt: Fp8Format,
+    fp8_bytes: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Add the exact ``[overflows, underflows]`` of the cast ``x -> fmt`` to ``out`` (int64 ``[2]``).
+
+    ``scale`` and ``scale_inv`` are 1-element float32 device tensors: the scale the cast used
+    and TE's stored reciprocal. ``fp8_bytes`` (optional) is the cast's rowwise FP8 data, same
+    element order as ``x``; with it the kernel reads the 1-byte tensor and touches ``x`` only
+    where a byte is +/-0 or the maximum. ``backend``: ``auto`` (Triton where available),
+    ``triton`` or ``torch``.
+    """
+    if x.numel() == 0:
+        return
+    if fp8_bytes is not None and fp8_bytes.numel() != x.numel():
+        raise ValueError(f"fp8_bytes has {fp8_bytes.numel()} elements, the tensor {x.numel()}")
+    use_triton = backend == "triton" or (backend == "auto" and triton_available(x.device))
+    if not use_triton or x.dtype not in _HP_KIND or not x.is_contiguous() or (
+            fp8_bytes is not None and not fp8_bytes.is_contiguous()):
+        out.add_(_torch_counts(x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes))
+        return
+    kernels = _triton()
+    if kernels is None:
+        raise RuntimeError("backend='triton' but Triton cannot be imported")
+    count_kernel = kernels[0]
+    n = x.numel()
+    bits = x.view(_BITS_VIEW[x.dtype]).reshape(-1)
+    q = fp8_bytes.view(torch.uint8).reshape(-1) if fp8_bytes is not None else bits
+    grid, iters = _launch_shape(n, x.device)
+    count_kernel[(grid,)](
+        bits, q, scale, scale_inv, out, n,
+        FP8_MAX=fmt.fp8_max, HALF_SUB=fmt.smallest_subnormal / 2, MAX_CODE=_MAX_CODE[fmt],
+        NZ_MASK=_NONZERO_MASK[x.dtype], HP_KIND=_HP_KIND[x.dtype], FROM_BYTES=fp8_bytes is not None,
+        BLOCK=_BLOCK, ITERS=iters, num_warps=8)
+
+
+def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,
+                  fp8_bytes: torch.Tensor | None) -> torch.Tensor:
+    if fp8_bytes is None:
+        return count_overflow_underflow(x, scale.reshape(()), fmt, scale_inv=scale_inv.reshape(()))
+    # TE's definitions on the cast it made: nonzero x whose byte is +/-0; |x| over the threshold.
+    mag = fp8_bytes.reshape(-1).view(torch.uint8) & 0x7F
+    xf = x.detach().reshape(-1).to(torch.float32)
+    threshold = scale_inv.reshape(()).to(torch.float32) * fmt.fp8_max
+    over = ((mag >= _MAX_CODE[fmt]) & (xf.abs() > threshold)).sum()
+    under = ((mag == 0) & (xf != 0)).sum()
+    return torch.stack((over, under)).to(torch.int64)
+
+
+def sum_of_squares_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], *, partials: torch.Tensor | None = None,
+                        backend: str = "auto") -> torch.Tensor | None:
+    """``sum(t.float()**2)`` over all ``tensors`` as a 0-d float32 device tensor written into ``out``.
+
+    Large tensors get one Triton launch each (a persistent grid near memory bandwidth) writing
+    per-program partials into ``partials`` (grown and returned when too small: pass it back next
+    time so nothing is allocated per step); the rest go through ``torch._foreach_norm``.
+    Returns the partials buffer in use (None on the torch path).
+    """
+    if not tensors:
+        out.zero_()
+        return partials
+    device = tensors[0].device
+    use_triton = backend == "triton" or (backend == "auto" and triton_available(device))
+    big = [t for t in tensors if use_triton and t.numel() >= _SUMSQ_MIN_NUMEL and t.is_contiguous()
+           and t.dtype in _HP_KIND] if use_triton else []
+    small = [t for t in tensors if not any(t is b for b in big)] if big else list(tensors)
+    total: torch.Tensor | None = None
+    if small:
+        norms = torch._foreach_norm(small)
+        total = torch.stack(norms).to(torch.float32).square().sum()
+    if big:
+        kernels = _triton()
+        if kernels is None:
+            raise RuntimeError("backend='triton' but Triton cannot be imported")
+        sumsq_kernel = kernels[1]
+        shapes = [_launch_shape(t.numel(), device) for t in big]
+        need = sum(g for g, _ in shapes)
+        if partials is None or partials.numel() < need or partials.device != device:
+            partials = torch.empty(need, dtype=torch.float32, device=device)
+        at = 0
+        for t, (g, iters) in zip(big, shapes, strict=True):
+            sumsq_kernel[(g,)](t.reshape(-1), partials[at:], t.numel(), BLOCK=_BLOCK, ITERS=iters, num_warps=8)
+            at += g
+        part = partials[:need].sum()
+        total = part if total is None else total + part
+    assert total is not None
+    out.copy_(total.reshape(out.shape))
+    return partials

@@ -1,0 +1,288 @@
+"""Exact FP8 cast counts of every Transformer Engine GEMM operand, through TE's tensor-inspection
+API (nvdlfw-inspect, which ships with TE's debug tools). The only module of fp8guard that
+imports ``nvdlfw_inspect``; :class:`fp8guard.agent.sources.te.TESource` uses it when asked for
+``exact_counts="inspect"``.
+
+Why the inspection API: TE quantizes some GEMM operands inside fused kernels (the LayerNorm
+output of ``LayerNormLinear``/``LayerNormMLP``, the MLP activation, the activation gradient), so
+their high-precision values never reach a module hook. On an iteration where a debug feature
+asks to inspect a tensor, TE materialises it in high precision, casts it with the module's own
+quantizer and calls ``inspect_tensor(tensor, rowwise_quantized_tensor, quantizer, ...)``.
+fp8guard's feature, ``Fp8GuardCounts``, then launches one fused counting kernel
+(:func:`fp8guard.agent.kernels.count_cast_into`) that reads the FP8 bytes TE produced and the
+high-precision value only where a byte is +/-0 or the maximum, and adds the exact overflow and
+underflow counts (TE's ``LogFp8TensorStats`` definitions) into the source's device buffer. No
+host sync, none of TE's stats buffers (which sync on every feed).
+
+Cost model: on the iterations it counts, TE runs its debug path for the layer (unfused
+LayerNorm+cast and activation+cast, as for any inspection feature); on the others
+``inspect_tensor_enabled`` tells TE when counting comes next, so the layers take TE's normal
+fused path and nothing is even constructed (TE: "the layer runs at normal speed").
+
+Iteration numbering: when fp8guard opens the debug session (the usual case) it keeps TE's
+debug iteration equal to the monitor's step, so the schedule is exact and survives rollbacks.
+When the training script opened it itself (to use TE's own debug features too), call
+:func:`register_feature` before ``debug_api.initialize`` and add ``Fp8GuardCounts`` to the
+config section that selects the layers (nvdlfw-inspect allows one section per layer)::
+
+    fp8guard.agent.sources.te_inspect.register_feature()
+    debug_api.initialize(config_file={"fp8": {"enabled": True, "layers": {"layer_name_regex_pattern": ".*"},
+        "transformer_engine": {"Fp8GuardCounts": {"enabled": True, "tensors": ["activation", "weight", "gradient"]},
+                               "LogFp8TensorStats": {...}}}}, feature_dirs=[TE_FEATURES_DIR])
+
+The script then calls ``debug_api.step()`` itself; fp8guard cannot predict its numbering and asks
+TE to re-check every iteration (a few milliseconds of host time per step, no GPU work).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.fp8 import Fp8Format
+from fp8guard.agent.kernels import count_cast_into
+
+__all__ = ["FEATURE_NAME", "TENSOR_NAMES", "InspectCounts", "register_feature"]
+
+log = logging.getLogger("fp8guard.agent")
+
+FEATURE_NAME = "Fp8GuardCounts"
+TENSOR_NAMES: dict[str, str] = {"fwd_input": "activation", "fwd_weight": "weight", "bwd_grad_output": "gradient"}
+"""fp8guard's operand roles and the names TE's debug API gives the same tensors."""
+_CONFIG_SECTION = "fp8guard_exact_counts"
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    index: int
+    fmt: Fp8Format
+
+
+class InspectCounts:
+    """Routes TE's ``inspect_tensor`` calls into a ``[n, 2]`` int64 device count buffer.
+
+    ``targets`` maps (TE layer name, TE tensor name) to the column. The schedule is plain state:
+    :meth:`enabled` answers TE's routing question for an iteration from ``armed``, ``every``
+    and whether fp8guard owns the iteration numbering.
+    """
+
+    def __init__(self, targets: Mapping[tuple[str, str], tuple[int, Fp8Format]], counts: torch.Tensor) -> None:
+        self.targets = {k: _Target(i, f) for k, (i, f) in targets.items()}
+        self.counts = counts
+        self.armed = False
+        self.every = 0
+        """Count every this many steps (0: never): lets TE skip its debug path in between."""
+        self.owning = False
+        """Whether fp8guard opened the debug session and sets its iteration to the step."""
+        self.active = True
+        self.calls = 0
+        """inspect_tensor calls that counted something (a host-side tally, for tests and benches)."""
+
+    def enabled(self, iteration: int, layer_name: str, tensor_name: str) -> tuple[bool, int | None]:
+        """(count on this iteration, next iteration TE must ask again; None: never)."""
+        if not self.active or (layer_name, tensor_name) not in self.targets:
+            return False, None
+        if not self.owning:
+            return self.armed, iteration + 1
+        if self.every <= 0:
+            return self.armed, (iteration + 1) if self.armed else None
+        nxt = (iteration // self.every + 1) * self.every
+        return self.armed, nxt
+
+    def inspect(self, layer_name: str, tensor_name: str, tensor: torch.Tensor | None, quantized: Any,
+                quantizer: Any) -> None:
+        """Count one cast; silently skips what it cannot count exactly (logged once)."""
+        if not (self.active and self.armed) or tensor is None:
+            return  # tensor is None for FP8 primary weights: no high-precision values exist
+        target = self.targets.get((layer_name, tensor_name))
+        if target is None:
+            return
+        scale_inv = getattr(quantized, "_scale_inv", None)
+        if not isinstance(scale_inv, torch.Tensor):
+            return  # not a per-tensor FP8 cast (high-precision GEMM, block scaling)
+        data = getattr(quantized, "_data", None)
+        scale = getattr(quantizer, "scale", None)
+        if not isinstance(data, torch.Tensor) and not isinstance(scale, torch.Tensor):
+            return
+        fmt = _format_of(quantized, target.fmt)
+        count_cast_into(self.counts[target.index], tensor.detach(), scale=scale if isinstance(scale, torch.Tensor)
+                        else torch.reciprocal(scale_inv), scale_inv=scale_inv, fmt=fmt,
+                        fp8_bytes=data if isinstance(data, torch.Tensor) else None)
+        self.calls += 1
+
+
+def _format_of(quantized: Any, default: Fp8Format) -> Fp8Format:
+    name = str(getattr(quantized, "_fp8_dtype", ""))
+    if "E4M3" in name:
+        return Fp8Format.E4M3
+    if "E5M2" in name:
+        return Fp8Format.E5M2
+    return default
+
+
+# -- the nvdlfw-inspect feature ---------------------------------------------------------------
+
+
+class _Slot:
+    """The counter the registered feature talks to (the debug API instantiates features itself)."""
+
+    counter: InspectCounts | None = None
+    owned_session = False
+    """fp8guard opened the current debug session (a later Monitor in the process owns it too)."""
+
+
+def _make_feature() -> type:
+    from nvdlfw_inspect.registry import api_method
+
+    class Fp8GuardCounts:
+        """fp8guard: exact overflow/underflow counts into device buffers (no host sync).
+
+        Config: ``Fp8GuardCounts: {enabled: True, tensors: [activation, weight, gradient]}``.
+        """
+
+        def parse_config_and_api(self, config: dict[str, Any], **kwargs: Any) -> tuple[bool, None]:
+            name = kwargs.get("tensor_name")
+            wanted = config.get("tensors", list(TENSOR_NAMES.values()))
+            return bool(config.get("enabled", False)) and (name is None or name in wanted), None
+
+        @api_method
+        def inspect_tensor_enabled(self, config: dict[str, Any], layer_name: str, tensor_name: str,
+                                   iteration: int) -> tuple[bool, int | None]:
+            counter = _Slot.counter
+            if counter is None:
+                return False, None
+            return counter.enabled(iteration, layer_name, tensor_name)
+
+        @api_method
+        def inspect_tensor(self, config: dict[str, Any], layer_name: str, tensor_name: str, iteration: int,
+                           tp_group: Any, tensor: torch.Tensor | None, rowwise_quantized_tensor: Any = None,
+                           columnwise_quantized_tensor: Any = None, quantizer: Any = None,
+                           tp_size: int = 1) -> None:
+            counter = _Slot.counter
+            if counter is None:
+                return
+            try:
+                counter.inspect(layer_name, tensor_name, tensor, rowwise_quantized_tensor, quantizer)
+            except Exception:  # monitoring never takes training down
+                counter.active = False
+                log.exception("fp8guard: exact counting failed and is now off; training continues")
+
+    return Fp8GuardCounts
+
+
+def register_feature() -> None:
+    """Register ``Fp8GuardCounts`` with nvdlfw-inspect (idempotent). Call it before your own
+    ``debug_api.initialize`` when your script opens TE's debug session itself."""
+    try:
+        from nvdlfw_inspect.registry import Registry
+    except Exception as exc:
+        raise ConfigError(f"exact counts under Transformer Engine need nvdlfw-inspect "
+                          f"(pip install 'fp8guard[te]'): {exc}") from exc
+    data = Registry.data.get("transformer_engine")
+    if data is not None and FEATURE_NAME in data.features:
+        return
+    if data is not None and any(f.__name__ == FEATURE_NAME for f in data.deferred_features):
+        return
+    Registry.register_feature(namespace="transformer_engine")(_make_feature())
+
+
+def _te_features_dir() -> str:
+    import transformer_engine.debug.features as features
+
+    return os.path.dirname(features.__file__)
+
+
+def attach(counter: InspectCounts) -> None:
+    """Route the debug API to ``counter``: open the debug session if nobody did, else join it.
+
+    Raises :class:`ConfigError` when the script opened it without ``Fp8GuardCounts``.
+    """
+    try:
+        import nvdlfw_inspect.api as debug_api
+        from nvdlfw_inspect.logging import BaseLogger
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
+    except Exception as exc:
+        raise ConfigError(f"exact counts under Transformer Engine need nvdlfw-inspect and TE's debug "
+                          f"tools (pip install 'fp8guard[te]'): {exc}") from exc
+    if debug_api.DEBUG_MANAGER is not None and _Slot.owned_session:
+        counter.owning = True
+    elif debug_api.DEBUG_MANAGER is None:
+        register_feature()
+
+        class _Quiet(BaseLogger):  # type: ignore[misc]
+            """fp8guard keeps its counts itself: no statistics files from the debug session."""
+
+            def log_scalar(self, name: str, value: float | int, iteration: int, **kwargs: Any) -> None:
+                return None
+
+        config = {_CONFIG_SECTION: {"enabled": True, "layers": {"layer_name_regex_pattern": ".*"},
+                                    "transformer_engine": {FEATURE_NAME: {
+                                        "enabled": True, "tensors": list(TENSOR_NAMES.values())}}}}
+        debug_api.initialize(config_file=config, feature_dirs=[_te_features_dir()], statistics_logger=_Quiet(),
+                             log_dir=tempfile.mkdtemp(prefix="fp8guard-te-debug-"))
+        counter.owning = True
+        _Slot.owned_session = True
+    else:
+        from nvdlfw_inspect.registry import Registry
+
+        data = Registry.data.get("transformer_engine")
+        if data is None or FEATURE_NAME not in data.features:
+            raise ConfigError(
+                "TE's debug session was opened by the training script without fp8guard's feature: call "
+                "fp8guard.agent.sources.te_inspect.register_feature() before debug_api.initialize and add "
+                f"'{FEATURE_NAME}: {{enabled: True, tensors: [activation, weight, gradient]}}' to the config "
+                "section that selects the layers (see the module docs)")
+        counter.owning = False
+    # Modules built before the session was opened saw debugging off; the flag is read per forward.
+    if not TEDebugState.debug_enabled:
+        TEDebugState.debug_enabled = True
+    _Slot.counter = counter
+
+
+def detach(counter: InspectCounts) -> None:
+    counter.active = False
+    counter.armed = False
+    if _Slot.counter is counter:
+        _Slot.counter = None
+
+
+def set_iteration(step: int, modules: Any = (), *, requery: bool = False) -> None:
+    """Make TE's debug iteration ``step`` (fp8guard owns the session). After a jump backwards
+    (a rollback) the modules must ask again: their cached 'next debug iteration' is in the
+    abandoned future; ``requery`` makes them ask again in any case."""
+    import nvdlfw_inspect.api as debug_api
+
+    manager = debug_api.DEBUG_MANAGER
+    if manager is None:
+        return
+    previous = manager._trainer_iteration_count
+    manager.initialize_training_step(step)
+    if step < previous or requery:
+        for m in modules:
+            if hasattr(m, "next_iter_when_debug_should_be_run"):
+                m.next_iter_when_debug_should_be_run = step
+                # ...and treat the next forward as a new iteration even at the same number
+                m.debug_last_iteration = None
+
+
+def bump_iteration(modules: Any = ()) -> None:
+    """Advance TE's debug iteration by one and make the modules ask again (they then hear that
+    nothing is ever due), so none of them stays on the debug path of a counted iteration."""
+    import nvdlfw_inspect.api as debug_api
+
+    manager = debug_api.DEBUG_MANAGER
+    if manager is None:
+        return
+    step = manager._trainer_iteration_count + 1
+    manager.initialize_training_step(step)
+    for m in modules:
+        if hasattr(m, "next_iter_when_debug_should_be_run"):
+            m.next_iter_when_debug_should_be_run = step
+            m.debug_last_iteration = None

@@ -1,0 +1,101 @@
+"""The GPU benchmarks' shared pieces: the Transformer Engine model of ``../shared/gpu/te_baseline.py``
+(12 ``te.TransformerLayer``, hidden 2048, FFN 8192, 16 heads, bf16 parameters, about 604M
+parameters; sequence 2048, batch 8; fused AdamW; loss mean(h**2); DelayedScaling HYBRID with a
+1024-step amax history), the skip line, and a log handler that keeps the agent's warnings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+def skip(bench: str, reason: str) -> None:
+    print(json.dumps({"bench": bench, "skipped": reason}), flush=True)
+    sys.exit(0)
+
+
+def require_te(bench: str) -> tuple[Any, Any]:
+    """(torch, transformer_engine.pytorch), or a skip line and exit 0 without CUDA/TE/FP8."""
+    try:
+        import torch
+    except ImportError as exc:
+        skip(bench, f"torch not importable: {exc}")
+    if not torch.cuda.is_available():
+        skip(bench, "needs a CUDA GPU (torch.cuda.is_available() is False)")
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as exc:  # ImportError, or TE's own load errors (missing libs)
+        skip(bench, f"Transformer Engine not importable: {type(exc).__name__}: {exc}"[:300])
+    ok = te.is_fp8_available()
+    if isinstance(ok, tuple):
+        ok, why = ok[0], ok[1]
+    else:
+        why = ""
+    if not ok:
+        skip(bench, f"FP8 not available on {torch.cuda.get_device_name()}: {why}")
+    return torch, te
+
+
+@dataclass
+class Shape:
+    layers: int = int(os.environ.get("L", 12))
+    hidden: int = int(os.environ.get("H", 2048))
+    seq: int = int(os.environ.get("S", 2048))
+    batch: int = int(os.environ.get("B", 8))
+
+
+class TEModel:
+    """Model, optimizer, input and recipe; ``step()`` is one training step (optionally with a
+    loss multiplier, used to provoke gradient overflows)."""
+
+    def __init__(self, shape: Shape, *, history: int = 1024) -> None:
+        import torch
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling, Format
+
+        self.te, self.torch, self.shape = te, torch, shape
+        torch.manual_seed(0)
+        h = shape.hidden
+        self.model = torch.nn.ModuleList([
+            te.TransformerLayer(h, 4 * h, h // 128, params_dtype=torch.bfloat16, hidden_dropout=0.0,
+                                attention_dropout=0.0, fuse_qkv_params=True, layer_number=i + 1, name=f"layer{i}")
+            for i in range(shape.layers)]).cuda()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        self.x = torch.randn(shape.seq, shape.batch, h, device="cuda", dtype=torch.bfloat16)
+        self.recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=history, amax_compute_algo="max")
+
+    def forward_backward(self, loss_scale: float = 1.0) -> Any:
+        with self.te.autocast(enabled=True, recipe=self.recipe):
+            h = self.x
+            for layer in self.model:
+                h = layer(h)
+        loss = h.float().pow(2).mean()
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        return loss
+
+    def step(self, monitor: Any = None, loss_scale: float = 1.0) -> Any:
+        loss = self.forward_backward(loss_scale)
+        self.opt.step()
+        if monitor is not None:
+            monitor.step(loss)
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    @property
+    def params_m(self) -> int:
+        return round(sum(p.numel() for p in self.model.parameters()) / 1e6)
+
+
+class Records(logging.Handler):
+    """Keeps the agent's warnings and errors, so a result can show that it never switched off."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.levelname} {record.name}: {record.getMessage()}"[:300])

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/gpu.md, on the device host, after TE was staged there
+# (bash .te/kit/install-te.sh). From the repository root:
+#   bash bench/gpu_suite.sh counts     # exact counts: checked against TE, then timed
+#   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
+#   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
+#   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
+# Several names run in order. Logs and JSON results go to $OUT (two files per part).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import fp8guard.agent.sources.te_inspect" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+fi
+
+part() {  # name, time limit (s), command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  grep -v -i -E "warn|deprecat" "$OUT/$name.log" | tail -c 2500
+  echo
+}
+
+for what in "$@"; do
+  case "$what" in
+    counts)
+      part counts_verify 240 python3 bench/gpu_counts.py verify --out "$OUT"
+      part counts_time 300 python3 bench/gpu_counts.py time --out "$OUT" ;;
+    overhead)
+      part overhead 240 python3 bench/gpu_overhead.py --out "$OUT" ;;
+    heal)
+      # shellcheck disable=SC2086  # HEAL_ARGS is a list of flags
+      part heal 360 python3 bench/gpu_heal.py --out "$OUT" ${HEAL_ARGS:-} ;;
+    te-tests)
+      part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source.py -x ;;
+    *) echo "unknown part $what" >&2; exit 2 ;;
+  esac
+done

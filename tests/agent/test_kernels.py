@@ -1,0 +1,125 @@
+"""The fused kernels against the torch reference: exact counts, same sum of squares.
+
+The Triton path runs under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before Triton
+is imported, hence a fresh interpreter per check); the GPU runs the same kernels compiled (see
+docs/gpu.md). The torch path is checked here against a brute-force element loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fp8guard.agent import kernels  # noqa: E402
+from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow, quantize  # noqa: E402
+
+FORMATS = [Fp8Format.E4M3, Fp8Format.E5M2]
+EDGES = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-40, 3e38]
+
+
+def _tensor(dtype: torch.dtype, fmt: Fp8Format, n: int = 6000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-34, 22, (n,), generator=g).float())
+    x = torch.cat([torch.tensor(EDGES), x]).to(dtype)
+    scale = torch.tensor([fmt.fp8_max / 700.0])
+    # values right at the thresholds: the overflow threshold fp8_max * scale_inv and half the
+    # smallest subnormal over the scale, and their float32 neighbours
+    thr = float(torch.reciprocal(scale)[0] * fmt.fp8_max)
+    half = fmt.smallest_subnormal / 2 / float(scale[0])
+    near = [thr, math.nextafter(thr, math.inf), math.nextafter(thr, 0), half, math.nextafter(half, math.inf),
+            math.nextafter(half, 0)]
+    x = torch.cat([x, torch.tensor(near + [-v for v in near]).to(dtype)])
+    return x, scale
+
+
+def _brute(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, q: torch.Tensor) -> list[int]:
+    """Element by element: TE's overflow threshold; underflow = nonzero value, zero FP8 byte."""
+    thr = float(torch.reciprocal(scale)[0] * fmt.fp8_max)
+    over = under = 0
+    for v, b in zip(x.float().tolist(), q.view(torch.uint8).tolist(), strict=True):
+        if not math.isnan(v) and abs(v) > thr:
+            over += 1
+        if v != 0.0 and (b & 0x7F) == 0:
+            under += 1
+    return [over, under]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_path_equals_brute_force(fmt: Fp8Format, dtype: torch.dtype) -> None:
+    x, scale = _tensor(dtype, fmt)
+    q = quantize(x, scale[0], fmt)
+    expected = _brute(x, scale, fmt, q)
+    assert count_overflow_underflow(x, scale[0], fmt).tolist() == expected
+    for fp8_bytes in (None, q):
+        out = torch.zeros(2, dtype=torch.int64)
+        kernels.count_cast_into(out, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt, fp8_bytes=fp8_bytes,
+                                backend="torch")
+        out2 = out.clone()
+        kernels.count_cast_into(out2, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt, fp8_bytes=fp8_bytes)
+        assert out.tolist() == expected and out2.tolist() == [2 * v for v in expected]  # it adds
+
+
+def test_mismatched_bytes_are_refused() -> None:
+    with pytest.raises(ValueError, match="elements"):
+        kernels.count_cast_into(torch.zeros(2, dtype=torch.int64), torch.ones(4), scale=torch.ones(1),
+                                scale_inv=torch.ones(1), fmt=Fp8Format.E4M3, fp8_bytes=torch.zeros(3, dtype=torch.uint8))
+
+
+def test_no_triton_on_cpu_without_interpreter() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter mode is on in this process")
+    assert not kernels.triton_available(torch.device("cpu"))
+
+
+_INTERPRETED = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent import kernels
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from tests.agent.test_kernels import _tensor
+    assert kernels.triton_available(torch.device("cpu"))
+    results = []
+    for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            # 3 blocks of 4096 and a tail: several programs, several loop iterations, masking
+            x, scale = _tensor(dtype, fmt, n=3 * 4096 + 123, seed=1)
+            q = quantize(x, scale[0], fmt)
+            row = []
+            for fp8_bytes in (None, q):
+                for backend in ("triton", "torch"):
+                    out = torch.zeros(2, dtype=torch.int64)
+                    kernels.count_cast_into(out, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt,
+                                            fp8_bytes=fp8_bytes, backend=backend)
+                    row.append(out.tolist())
+            results.append(row)
+    g = torch.Generator().manual_seed(2)
+    ts = [torch.randn(1 << 20, generator=g), torch.randn(3000, generator=g).bfloat16(),
+          torch.randn((1 << 20) + 77, generator=g).bfloat16()]
+    out = torch.zeros(())
+    kernels.sum_of_squares_into(out, ts, backend="triton")
+    ref = sum(float(t.double().square().sum()) for t in ts)
+    print(json.dumps({"counts": results, "sumsq": float(out), "ref": ref}))
+""")
+
+
+def test_triton_kernels_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for row in got["counts"]:
+        # [hp path triton, hp path torch, bytes path triton, bytes path torch]: all four agree
+        assert row[0] == row[1] == row[2] == row[3], row
+        assert row[0][0] > 0 and row[0][1] > 0  # both counts exercised
+    assert got["sumsq"] == pytest.approx(got["ref"], rel=1e-5)

@@ -1,0 +1,106 @@
+"""The exact-count feature for TE's tensor-inspection API, on the CPU.
+
+nvdlfw-inspect (pure Python) is real here; Transformer Engine is not importable without CUDA, so
+the quantized tensor TE would hand to ``inspect_tensor`` is stood in for by an object with the
+same three attributes (``_data``, ``_scale_inv``, ``_fp8_dtype``). The GPU run in docs/gpu.md
+checks the whole path against TE's own LogFp8TensorStats on a 604M-parameter model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nvdlfw_inspect")
+
+from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow, quantize  # noqa: E402
+from fp8guard.agent.sources import te_inspect  # noqa: E402
+
+
+def _counter() -> te_inspect.InspectCounts:
+    targets = {("layer0.qkv", "activation"): (0, Fp8Format.E4M3), ("layer0.mlp.fc2", "gradient"): (1, Fp8Format.E5M2)}
+    return te_inspect.InspectCounts(targets, torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_schedule_owning_session_predicts_the_next_counted_step() -> None:
+    c = _counter()
+    c.owning, c.every = True, 10
+    assert c.enabled(20, "layer0.qkv", "activation") == (False, 30)
+    c.armed = True
+    assert c.enabled(30, "layer0.qkv", "activation") == (True, 40)
+    assert c.enabled(30, "layer9.other", "activation") == (False, None)  # not ours: never
+    c.every = 0
+    assert c.enabled(31, "layer0.qkv", "activation") == (True, 32)
+    c.armed = False
+    assert c.enabled(31, "layer0.qkv", "activation") == (False, None)
+    c.active = False
+    assert c.enabled(40, "layer0.qkv", "activation") == (False, None)
+
+
+def test_schedule_joined_session_asks_every_iteration() -> None:
+    c = _counter()
+    c.owning, c.every, c.armed = False, 10, True
+    assert c.enabled(7, "layer0.qkv", "activation") == (True, 8)
+
+
+def _cast(x: torch.Tensor, scale: float, fmt: Fp8Format) -> SimpleNamespace:
+    q = quantize(x, scale, fmt)
+    return SimpleNamespace(_data=q.view(torch.uint8), _scale_inv=torch.reciprocal(torch.tensor([scale])),
+                           _fp8_dtype=f"DType.kFloat8{fmt.name}")
+
+
+def test_inspect_counts_what_te_counts_and_only_when_armed() -> None:
+    c = _counter()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5000, generator=g) * torch.exp2(torch.randint(-30, 12, (5000,), generator=g).float())).bfloat16()
+    scale = 448.0 / 200.0
+    quantized = _cast(x, scale, Fp8Format.E4M3)
+    quantizer = SimpleNamespace(scale=torch.tensor([scale]))
+    c.inspect("layer0.qkv", "activation", x, quantized, quantizer)
+    assert c.counts.sum() == 0 and c.calls == 0  # not armed
+    c.armed = True
+    c.inspect("layer0.qkv", "activation", x, quantized, quantizer)
+    c.inspect("layer0.qkv", "activation", None, quantized, quantizer)  # FP8 primary weight: no values
+    c.inspect("layer1.unknown", "activation", x, quantized, quantizer)
+    c.inspect("layer0.qkv", "activation", x, SimpleNamespace(), quantizer)  # not a per-tensor FP8 cast
+    ref = count_overflow_underflow(x, scale, Fp8Format.E4M3)
+    assert c.counts[0].tolist() == ref.tolist() and c.calls == 1
+    assert ref[0] > 0 and ref[1] > 0
+    # the format comes from the cast (E5M2 gradient), not only from the column's default
+    g2 = x.float() * 100
+    c.inspect("layer0.mlp.fc2", "gradient", g2, _cast(g2, 57344.0 / 1e5, Fp8Format.E5M2), quantizer)
+    assert c.counts[1].tolist() == count_overflow_underflow(g2, 57344.0 / 1e5, Fp8Format.E5M2).tolist()
+
+
+def test_registered_feature_routes_and_never_raises_into_training() -> None:
+    from nvdlfw_inspect.registry import Registry
+
+    had = "transformer_engine" in Registry.data
+    feature_cls = te_inspect._make_feature()
+    feature = feature_cls()
+    cfg = {"enabled": True, "tensors": ["activation", "gradient"]}
+    assert feature.parse_config_and_api(cfg, tensor_name="activation") == (True, None)
+    assert feature.parse_config_and_api(cfg, tensor_name="weight") == (False, None)
+    assert feature.parse_config_and_api({"enabled": False}, tensor_name="activation") == (False, None)
+    c = _counter()
+    c.owning, c.every, c.armed = True, 5, True
+    old = te_inspect._Slot.counter
+    te_inspect._Slot.counter = c
+    try:
+        assert feature.inspect_tensor_enabled(cfg, "layer0.qkv", "activation", 10) == (True, 15)
+        broken = SimpleNamespace(_data=torch.zeros(3, dtype=torch.uint8), _scale_inv=torch.ones(1))
+        feature.inspect_tensor(cfg, "layer0.qkv", "activation", 10, None, torch.ones(4), broken, broken,
+                               SimpleNamespace(scale=torch.ones(1)))  # 3 bytes for 4 values: an internal error
+        assert c.active is False  # switched off, logged, training goes on
+        assert feature.inspect_tensor_enabled(cfg, "layer0.qkv", "activation", 11) == (False, None)
+    finally:
+        te_inspect._Slot.counter = old
+    te_inspect.register_feature()
+    te_inspect.register_feature()  # idempotent
+    data = Registry.data["transformer_engine"]
+    names = list(data.features) + [f.__name__ for f in data.deferred_features]
+    assert names.count(te_inspect.FEATURE_NAME) == 1
+    if not had:
+        Registry.data.pop("transformer_engine")
