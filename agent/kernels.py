@@ -57,7 +57,7 @@ def _triton() -> Any:
     except Exception:  # not installed, or a broken install: the torch path is exact too
         return None
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
     def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
                      FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
                      NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
@@ -96,7 +96,7 @@ def _triton() -> Any:
         tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
         tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
     def sumsq_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]
         pid = tl.program_id(0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)

@@ -56,7 +56,7 @@ os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
 GUARD = {
     # Horizons for a run of hundreds of steps (the defaults are set for real runs).
     "warmup_steps": 20, "rollback_margin_steps": 10, "known_good_after_steps": 10, "skip_batches": 10,
-    "promote_after_steps": 60, "cooldown_steps": 30, "saturation_steps": 5, "amax_growth_warmup": 100,
+    "promote_after_steps": 120, "cooldown_steps": 30, "saturation_steps": 5, "amax_growth_warmup": 100,
     "stale_scale_steps": 10, "rollback_lr_scale": 0.1, "rollback_lr_steps": 40, "loss_z": 6.0,
 }
 
@@ -73,11 +73,21 @@ class HealConfig:
     lr: float = 1e-3
     history: int = 1024
     incident: int = 250
-    outlier: float = 1e4
+    """First batch (data position) in which the dormant unit lights up."""
+    incident_batches: int = 100
+    ramp_batches: int = 30
+    """The unit brightens geometrically over these first batches of the window (outlier
+    amplification grows, it does not appear at full size), then stays at ``outlier``."""
+    outlier: float = 1e6
+    """The lit unit's peak value, relative to the largest magnitude of the other units in that input."""
     target_blocks: str = "all"
-    """Which blocks carry the outlier: ``all`` or a comma list of indexes."""
-    target_linear: str = "attn_qkv"
-    """Which projection of those blocks gets the outlier at its input (``attn_qkv``, ``mlp_fc``, ...)."""
+    """Which blocks carry the unit: ``all`` or a comma list of indexes."""
+    target_linear: str = "attn_proj,mlp_proj"
+    """Whose input holds the unit: a comma list of ``attn_qkv``, ``attn_proj`` (the attention output),
+    ``mlp_fc``, ``mlp_proj`` (the MLP activation), or ``all`` (these four and ``lm_head``)."""
+    lr_burst: float = 1.0
+    """An aggressive learning-rate phase: the rate times this for ``lr_burst_steps`` from ``incident``."""
+    lr_burst_steps: int = 40
     checkpoint_every: int = 25
     val_batches: int = 20
     seed: int = 0
@@ -136,16 +146,33 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
     elif fp8:
         emu = emulate_fp8(model, EmulationConfig(amax_history_len=cfg.history))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    burst = range(cfg.incident, cfg.incident + cfg.lr_burst_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * (cfg.lr_burst if s in burst else 1.0))
     data = TextBatches(stdlib_text(4_000_000), block_size=cfg.block_size, batch_size=cfg.batch_size, seed=cfg.seed)
     current = {"batch": -1}
-    poisoned = cfg.incident  # the batch index (data position) that carries the outlier
+    window = range(cfg.incident, cfg.incident + cfg.incident_batches)
+    unit = 0  # input unit 0 of each target projection: dormant (zero, frozen weight column) in every run
 
-    def outlier(_: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        return (args[0] * cfg.outlier,) if current["batch"] == poisoned else None
+    def light_up(_: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if current["batch"] not in window:
+            return None
+        k = current["batch"] - cfg.incident + 1
+        factor = cfg.outlier ** min(1.0, k / max(cfg.ramp_batches, 1))
+        x = args[0].clone()
+        # a device op, no host sync: the unit carries `factor` times the input's own largest magnitude
+        x[..., unit] = factor * args[0].detach().abs().amax()
+        return (x,)
+
+    def keep_dormant(grad: Any) -> Any:
+        return grad.index_fill(1, torch.tensor([unit], device=grad.device), 0.0)
 
     for name in _target_modules(cfg):
-        model.get_submodule(name).register_forward_pre_hook(outlier)
+        lin = model.get_submodule(name)
+        with torch.no_grad():
+            lin.weight[:, unit] = 0.0
+        lin.weight.register_hook(keep_dormant)
+        lin.register_forward_pre_hook(light_up)
 
     def forward(x: Any, y: Any) -> Any:
         with contextlib.ExitStack() as stack:
@@ -221,7 +248,9 @@ def _target_modules(cfg: HealConfig) -> list[str]:
     if cfg.target_linear == "lm_head":
         return ["lm_head"]
     blocks = range(cfg.n_layer) if cfg.target_blocks == "all" else [int(k) for k in cfg.target_blocks.split(",")]
-    return [f"blocks.{k}.{cfg.target_linear}" for k in blocks]
+    names = ("attn_qkv", "attn_proj", "mlp_fc", "mlp_proj") if cfg.target_linear == "all" \
+        else tuple(cfg.target_linear.split(","))
+    return [f"blocks.{k}.{n}" for k in blocks for n in names] + (["lm_head"] if cfg.target_linear == "all" else [])
 
 
 def _spike_step(unguarded: list[float], reference: list[float], start: int) -> int | None:
@@ -242,7 +271,11 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 2x64 model and 300 steps (CPU smoke run)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--incident", type=int)
+    parser.add_argument("--incident-batches", dest="incident_batches", type=int)
+    parser.add_argument("--ramp-batches", dest="ramp_batches", type=int)
     parser.add_argument("--outlier", type=float)
+    parser.add_argument("--lr-burst", dest="lr_burst", type=float)
+    parser.add_argument("--history", type=int)
     parser.add_argument("--target-blocks", dest="target_blocks")
     parser.add_argument("--target-linear", dest="target_linear")
     parser.add_argument("--out", default=None)
@@ -250,8 +283,9 @@ def main() -> None:
     cfg = HealConfig(backend=args.backend)
     if args.small:
         cfg = HealConfig(backend=args.backend, steps=300, n_layer=2, n_head=2, n_embd=64, block_size=64,
-                         batch_size=8, incident=150, checkpoint_every=25)
-    for name in ("steps", "incident", "outlier", "target_blocks", "target_linear"):
+                         batch_size=8, incident=150, incident_batches=60, ramp_batches=20, checkpoint_every=25)
+    for name in ("steps", "incident", "incident_batches", "ramp_batches", "outlier", "target_blocks", "target_linear", "lr_burst",
+                 "history"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if cfg.backend == "te":
@@ -302,7 +336,10 @@ def main() -> None:
     result = {
         "bench": "gpu_heal", "config": asdict(cfg), "guard": GUARD,
         "device": _device_name(cfg),
-        "injected": f"batch {cfg.incident} only: input of {', '.join(_target_modules(cfg))} x {cfg.outlier:g}",
+        "injected": (f"batches {cfg.incident}-{cfg.incident + cfg.incident_batches - 1}: input unit 0 of "
+                     f"{', '.join(_target_modules(cfg))} (a unit whose weights are zero and frozen in every run) "
+                     f"carries up to {cfg.outlier:g}x the largest magnitude of the other units, growing "
+                     f"geometrically over the first {cfg.ramp_batches} batches"),
         "unguarded_loss_leaves_bf16_at": spike,
         "first_finding_step": first,
         "detected_steps_before_spike": (spike - first["fp8_guarded"])

@@ -152,7 +152,7 @@ def _make_feature() -> type:
             wanted = config.get("tensors", list(TENSOR_NAMES.values()))
             return bool(config.get("enabled", False)) and (name is None or name in wanted), None
 
-        @api_method
+        @api_method  # type: ignore[untyped-decorator, unused-ignore]
         def inspect_tensor_enabled(self, config: dict[str, Any], layer_name: str, tensor_name: str,
                                    iteration: int) -> tuple[bool, int | None]:
             counter = _Slot.counter
@@ -160,7 +160,7 @@ def _make_feature() -> type:
                 return False, None
             return counter.enabled(iteration, layer_name, tensor_name)
 
-        @api_method
+        @api_method  # type: ignore[untyped-decorator, unused-ignore]
         def inspect_tensor(self, config: dict[str, Any], layer_name: str, tensor_name: str, iteration: int,
                            tp_group: Any, tensor: torch.Tensor | None, rowwise_quantized_tensor: Any = None,
                            columnwise_quantized_tensor: Any = None, quantizer: Any = None,
@@ -196,7 +196,7 @@ def register_feature() -> None:
 def _te_features_dir() -> str:
     import transformer_engine.debug.features as features
 
-    return os.path.dirname(features.__file__)
+    return str(os.path.dirname(features.__file__))
 
 
 def attach(counter: InspectCounts) -> None:

@@ -73,4 +73,5 @@ class GuardConfig(BaseModel):
     escalate_window_steps: int = Field(default=2000, ge=1)
     """After this many rollbacks within this many steps: whole-model BF16 and a page."""
     cooldown_steps: int = Field(default=50, ge=0)
-    """A rule that fired on a tensor stays quiet this long (one finding per episode)."""
+    """A rule that fired on a module stays quiet on that module this long (one finding per episode);
+    other modules crossing the line meanwhile get findings of their own."""

@@ -90,6 +90,26 @@ class Detector:
         self.last_fired[key] = step
         return True
 
+    def _first_fresh(self, rule: str, steps: np.ndarray[Any, Any],
+                     hits: np.ndarray[Any, Any]) -> tuple[int, np.ndarray[Any, Any]] | None:
+        """The first step with hit tensors whose module is not cooling down for ``rule``, and
+        those tensors; marks their modules as fired. Cooling is per module: a second module
+        crossing the line a few steps after the first is its own finding, not swallowed by the
+        first one's quiet period."""
+        for row in np.flatnonzero(hits.any(axis=1)).tolist():
+            step = int(steps[row])
+            idx = np.flatnonzero(hits[row])
+            fresh = [i for i in idx.tolist() if self._module_cool(rule, self.tensors[i].module, step)]
+            if fresh:
+                for m in {self.tensors[i].module for i in fresh}:
+                    self.last_fired[f"{rule}:{m}"] = step
+                return row, np.asarray(fresh)
+        return None
+
+    def _module_cool(self, rule: str, module: str, step: int) -> bool:
+        last = self.last_fired.get(f"{rule}:{module}")
+        return last is None or step - last >= self.config.cooldown_steps or step < last
+
     def _scalars(self, step: int, row: StepRow) -> list[Finding]:
         cfg = self.config
         out: list[Finding] = []
@@ -142,14 +162,11 @@ class Detector:
         over = np.nan_to_num(ratios, nan=0.0, posinf=np.inf) > self.threshold[None, :]
         runs = rules.consecutive(self.sat_run, over)  # (steps, tensors)
         self.sat_run = runs[-1]
-        hit = np.flatnonzero((runs >= cfg.saturation_steps).any(axis=1))
-        if hit.size == 0:
+        first = self._first_fresh("saturation", steps, runs >= cfg.saturation_steps)
+        if first is None:
             return []
-        row = int(hit[0])
+        row, idx = first
         step, ratio = int(steps[row]), ratios[row]
-        idx = np.flatnonzero(runs[row] >= cfg.saturation_steps)
-        if not self._cool("saturation", step):
-            return []
         worst = idx[np.argmax(ratio[idx])]
         severity = Severity.CRITICAL if ratio[worst] > 16 * self.threshold[worst] else Severity.WARNING
         return [Finding(
@@ -173,13 +190,11 @@ class Detector:
         # A tensor that stopped being measured (its module fell back to BF16) starts a fresh
         # baseline when it comes back: growth is judged against its own FP8 period.
         self.seen = np.where(measured[-1], self.seen, 0)
-        hit = np.flatnonzero((runs >= cfg.amax_growth_steps).any(axis=1))
-        if hit.size == 0:
+        first = self._first_fresh("amax_growth", steps, runs >= cfg.amax_growth_steps)
+        if first is None:
             return []
-        row = int(hit[0])
-        step, idx, growth = int(steps[row]), np.flatnonzero(runs[row] >= cfg.amax_growth_steps), growth_all[row]
-        if not self._cool("amax_growth", step):
-            return []
+        row, idx = first
+        step, growth = int(steps[row]), growth_all[row]
         worst = idx[np.argmax(growth[idx])]
         return [Finding(
             rule="amax_growth", severity=Severity.WARNING, step=step, onset_step=step - cfg.amax_growth_steps + 1,
@@ -200,13 +215,11 @@ class Detector:
         runs = rules.consecutive(self.stale_run, pinned)
         # a step that measured nothing (module in BF16) ends the episode: its history rolls zeros
         self.stale_run = np.where(measured[-1], runs[-1], 0)
-        hit = np.flatnonzero((runs >= cfg.stale_scale_steps).any(axis=1))
-        if hit.size == 0:
+        first = self._first_fresh("stale_scale", steps, runs >= cfg.stale_scale_steps)
+        if first is None:
             return []
-        row = int(hit[0])
-        step, idx = int(steps[row]), np.flatnonzero(runs[row] >= cfg.stale_scale_steps)
-        if not self._cool("stale_scale", step):
-            return []
+        row, idx = first
+        step = int(steps[row])
         ratio = hist_max[row, idx] / amax[row, idx]
         worst = idx[int(np.argmax(ratio))]
         return [Finding(

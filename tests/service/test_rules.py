@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -183,3 +184,22 @@ def test_stale_scale_quiet_on_healthy_decay_and_in_bf16() -> None:
     amax2[50, 0] = 1e4
     amax2[51:, 0] = 0.0
     assert Detector(GuardConfig(), _metas(2)).observe([], [_history_block(amax2)]) == []
+
+
+def test_cooldown_is_per_module_so_a_second_module_is_not_swallowed() -> None:
+    """Two modules' amax climbs, the second crossing the line a few steps after the first: each
+    gets its own finding (a rule-wide quiet period would leave the second in FP8 for 50 steps)."""
+    det = Detector(GuardConfig(), _metas(4))
+    amax = np.ones((300, 4))
+    amax[150:, 0] = np.exp2(np.minimum(np.arange(150) * 0.8, 20))  # module l0 climbs first
+    amax[156:, 2] = np.exp2(np.minimum(np.arange(144) * 0.8, 20))  # l1, six steps later
+    found = []
+    for lo in range(0, 300, 5):  # batches of 5 steps, as the agent flushes them
+        found += det.observe([], [_block(list(range(lo, lo + 5)), np.ones((5, 4)), amax[lo:lo + 5])])
+    growth = [f for f in found if f.rule == "amax_growth"]
+    assert [f.modules for f in growth[:2]] == [("l0",), ("l1",)]
+    assert growth[1].step - growth[0].step < GuardConfig().cooldown_steps
+    # each module's own quiet period holds: its next finding comes a cooldown later at the earliest
+    for m in ("l0", "l1"):
+        at = [f.step for f in growth if f.modules == (m,)]
+        assert all(b - a >= GuardConfig().cooldown_steps for a, b in itertools.pairwise(at))
