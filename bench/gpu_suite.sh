@@ -34,9 +34,21 @@ for what in "$@"; do
       part counts_time 300 python3 bench/gpu_counts.py time --out "$OUT" ;;
     overhead)
       part overhead 240 python3 bench/gpu_overhead.py --out "$OUT" ;;
-    heal)
-      # shellcheck disable=SC2086  # HEAL_ARGS is a list of flags
-      part heal 360 python3 bench/gpu_heal.py --out "$OUT" ${HEAL_ARGS:-} ;;
+    heal|heal-1e4)
+      # The in-process fp8guard service needs the service's packages, which the GPU image lacks:
+      # carried as wheels in .whl/ (see docs/gpu.md).
+      if ! python3 -c "import uvicorn, fastapi, sqlalchemy, alembic, pydantic_settings" 2>/dev/null && [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -2
+      fi
+      if [ "$what" = heal ]; then
+        # shellcheck disable=SC2086  # HEAL_ARGS is a list of flags
+        part heal 300 python3 bench/gpu_heal.py --out "$OUT" ${HEAL_ARGS:-}
+      else
+        mkdir -p "$OUT/heal_1e4"
+        part heal_1e4 200 python3 bench/gpu_heal.py --outlier 1e4 --out "$OUT/heal_1e4"
+      fi ;;
+    counts-time)
+      part counts_time 240 python3 bench/gpu_counts.py time --out "$OUT" ;;
     te-tests)
       part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source.py -x ;;
     *) echo "unknown part $what" >&2; exit 2 ;;
