@@ -33,6 +33,8 @@ from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow
 __all__ = ["count_cast_into", "sum_of_squares_into", "triton_available"]
 
 _BLOCK = 4096
+_ROWS, _COLS = 64, 64
+"""Counting tile: rows of 64 elements (128 bytes of BF16) decide together whether to fetch."""
 _MAX_CODE = {Fp8Format.E4M3: 0x7E, Fp8Format.E5M2: 0x7B}
 """Magnitude bits of the largest finite value: 448 (E4M3 0x7E; 0x7F is NaN) and 57344 (E5M2 0x7B;
 0x7C is inf and above are NaN). Bytes at or above it are checked against the threshold."""
@@ -61,21 +63,26 @@ def _triton() -> Any:
     def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
                      FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
                      NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
-                     BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr):
+        # A tile is ROWS x COLS consecutive elements. From FP8 bytes, the high-precision values of
+        # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
+        # predicate is uniform along the row, so the fetch stays a vectorised load.
         pid = tl.program_id(0)
         # TE's threshold: fp8_max * scale_inv, one float32 product.
         thr = tl.load(sinv_ptr) * FP8_MAX
         scale = tl.load(scale_ptr)
-        over = tl.zeros([BLOCK], dtype=tl.int32)
-        under = tl.zeros([BLOCK], dtype=tl.int32)
-        for i in range(ITERS):  # program pid owns blocks pid*ITERS .. pid*ITERS+ITERS-1
-            offs = (pid * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        over = tl.zeros([ROWS, COLS], dtype=tl.int32)
+        under = tl.zeros([ROWS, COLS], dtype=tl.int32)
+        tile = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        for i in range(ITERS):  # program pid owns tiles pid*ITERS .. pid*ITERS+ITERS-1
+            offs = (pid * ITERS + i) * (ROWS * COLS) + tile
             inside = offs < n
             if FROM_BYTES:
                 mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
                 zero = mag == 0
                 top = mag >= MAX_CODE
-                need = inside & (zero | top)
+                row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
+                need = inside & row_needs[:, None]
                 bits = tl.load(x_ptr + offs, mask=need, other=0)
             else:
                 bits = tl.load(x_ptr + offs, mask=inside, other=0)
@@ -93,8 +100,8 @@ def _triton() -> Any:
             else:
                 over += big.to(tl.int32)
                 under += (nonzero & (tl.abs(x * scale) <= HALF_SUB)).to(tl.int32)
-        tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
-        tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr, tl.sum(tl.sum(over, axis=1), axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr + 1, tl.sum(tl.sum(under, axis=1), axis=0).to(tl.int64))
 
     @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
     def sumsq_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -118,20 +125,20 @@ def triton_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def _max_programs(device_index: int) -> int:
+def _max_programs(device_index: int, per_sm: int = 8) -> int:
     """Enough programs to fill the GPU a few times over; each then loops over its blocks."""
     if _interpret():
         return 4
-    return 8 * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_shape(n: int, device: torch.device) -> tuple[int, int]:
+def _launch_shape(n: int, device: torch.device, block: int = _BLOCK, per_sm: int = 8) -> tuple[int, int]:
     """(programs, blocks per program). Blocks per program is a power of two and a compile-time
     constant (a handful of kernel variants in all, and a loop the compiler can unroll)."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    blocks = -(-n // _BLOCK)
+    blocks = -(-n // block)
     iters = 1
-    while blocks > iters * _max_programs(index):
+    while blocks > iters * _max_programs(index, per_sm):
         iters *= 2
     return -(-blocks // iters), iters
 
@@ -170,12 +177,13 @@ def count_cast_into(
     n = x.numel()
     bits = x.view(_BITS_VIEW[x.dtype]).reshape(-1)
     q = fp8_bytes.view(torch.uint8).reshape(-1) if fp8_bytes is not None else bits
-    grid, iters = _launch_shape(n, x.device)
+    # Two programs per multiprocessor (two atomics each per call), each looping over its tiles.
+    grid, iters = _launch_shape(n, x.device, _ROWS * _COLS, per_sm=2)
     count_kernel[(grid,)](
         bits, q, scale, scale_inv, out, n,
         FP8_MAX=fmt.fp8_max, HALF_SUB=fmt.smallest_subnormal / 2, MAX_CODE=_MAX_CODE[fmt],
         NZ_MASK=_NONZERO_MASK[x.dtype], HP_KIND=_HP_KIND[x.dtype], FROM_BYTES=fp8_bytes is not None,
-        BLOCK=_BLOCK, ITERS=iters, num_warps=8)
+        ROWS=_ROWS, COLS=_COLS, ITERS=iters, num_warps=8)
 
 
 def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,

@@ -281,7 +281,8 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
 
     def capture(out: Any, x: Any, *, scale: Any, scale_inv: Any, fmt: Any, fp8_bytes: Any = None, **kw: Any) -> None:
         real(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
-        captured.append({"x": x, "scale": scale, "scale_inv": scale_inv, "fmt": fmt, "q": fp8_bytes})
+        # copies of the scales: TE updates them in place after the step, the replay needs the cast's
+        captured.append({"x": x, "scale": scale.clone(), "scale_inv": scale_inv.clone(), "fmt": fmt, "q": fp8_bytes})
 
     te_inspect.count_cast_into = capture
     try:
