@@ -210,7 +210,7 @@ def test_labels_of_layernorm_modules_follow_te_roles() -> None:
                           te.LayerNormMLP(128, 256, params_dtype=BF16)).to(DEV)
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
     train_step(model, batch(0), recipe)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None
     got = [(s.module, s.role, s.fp8_format, s.fp8_max) for s in src.tensors()]
     fwd, bwd = ("e4m3", E4M3_MAX), ("e5m2", E5M2_MAX)
@@ -239,7 +239,7 @@ def test_layernorm_mlp_values_match_its_tensors() -> None:
     cap = Capture({"mlp": mlp}, lambda m: [m.fc1_weight, m.fc2_weight])
     cap.new_step()
     train_step(model, batch(0), recipe)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None
     cap.new_step()
     train_step(model, batch(1), recipe)
@@ -256,7 +256,7 @@ def test_layernorm_mlp_values_match_its_tensors() -> None:
 def test_boundary_slots_option() -> None:
     model = two_linears()
     train_step(model, batch(0), DelayedScaling())
-    auto = te_source.discover(model, required=True)
+    auto = te_source.discover(model, required=True, exact_counts="hooks")
     full = te_source.discover(model, required=True, boundary_slots="all")
     assert auto is not None and full is not None
     assert [s.role for s in auto.tensors()][:3] == ["fwd_input", "fwd_weight", "bwd_grad_output"]
@@ -303,7 +303,7 @@ def test_delayed_scaling_values(length: int, margin: int) -> None:
     cap = Capture({"0": model[0], "1": model[1]}, _linear_weights)
     cap.new_step()
     train_step(model, batch(0), recipe, opt)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None and src.recipe_name == "DelayedScaling"
     names = [s.name for s in src.tensors()]
     assert names == [f"{m}:{r}" for m in "01" for r in ("fwd_input", "fwd_weight", "bwd_grad_output")]
@@ -343,7 +343,7 @@ def test_delayed_scaling_counts_match_te_cast() -> None:
     cap = Capture({"0": lin}, _linear_weights)
     cap.new_step()
     train_step(model, batch(0), recipe)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None and src.supports_counts
     read(src)
     scale_in_use = lin.fp8_meta["scaling_fwd"].scale[0:1].clone()
@@ -379,7 +379,7 @@ def test_current_scaling_values_match_te_quantizer() -> None:
     cap = Capture({"0": model[0], "1": model[1]}, _linear_weights)
     cap.new_step()
     train_step(model, batch(0), recipe)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None and src.recipe_name == "Float8CurrentScaling"
     assert [s.name for s in src.tensors()] == [
         f"{m}:{r}" for m in "01" for r in ("fwd_input", "fwd_weight", "bwd_grad_output")]
@@ -406,7 +406,7 @@ def test_current_scaling_counts_match_te_cast() -> None:
     model = nn.Sequential(lin)
     recipe = Float8CurrentScaling()
     train_step(model, batch(0), recipe)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None and src.supports_counts
     cap = Capture({"0": lin}, _linear_weights)
     cap.new_step()
@@ -438,7 +438,7 @@ def test_block_scaling_values() -> None:
     cap = Capture({"0": model[0], "1": model[1]}, _linear_weights)
     cap.new_step()
     train_step(model, batch(0, rows=128), recipe)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None and src.recipe_name == "Float8BlockScaling" and not src.supports_counts
     cap.new_step()
     train_step(model, batch(1, rows=128), recipe)
@@ -464,7 +464,7 @@ def _sync_setup(recipe_name: str) -> tuple[Any, nn.Module, Any, Any, torch.Tenso
     model = two_linears()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     train_step(model, batch(0), recipe, opt)
-    src = te_source.discover(model, required=True)
+    src = te_source.discover(model, required=True, exact_counts="hooks")
     assert src is not None
     out = torch.zeros(len(STATS), len(src.tensors()), device=DEV)
     counts = torch.zeros(2, len(src.tensors()), device=DEV)
@@ -578,7 +578,7 @@ def test_bf16_fallback_and_repromotion_with_fresh_state() -> None:
 
     for _ in range(3):
         run()
-    source = te_source.discover(model, required=True)
+    source = te_source.discover(model, required=True, exact_counts="hooks")
     assert source is not None
     first = model[0]
     fp8_out = run()
@@ -598,3 +598,34 @@ def test_bf16_fallback_and_repromotion_with_fresh_state() -> None:
         again = first(x).detach()
     assert not torch.equal(again, reference.detach())  # FP8 casts are back
     source.close()
+
+
+def test_inspect_counts_every_operand_and_agree_with_the_hooks() -> None:
+    """exact_counts="inspect": TE's tensor-inspection API hands over every operand (LayerNorm
+    outputs and MLP internals included); where module hooks also reach an operand, both paths
+    count the same. (bench/gpu_counts.py verify checks the 604M model against TE's own stats.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(te.LayerNormLinear(128, 128, params_dtype=BF16, name="ln_linear"),
+                          te.LayerNormMLP(128, 256, params_dtype=BF16, name="ln_mlp"),
+                          te.Linear(128, 128, params_dtype=BF16, name="linear")).to(DEV)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+    train_step(model, batch(0), recipe)
+    hooks = te_source.discover(model, required=True, exact_counts="hooks")
+    inspect = te_source.discover(model, required=True, exact_counts="inspect")
+    assert inspect is not None and hooks is not None and all(inspect.counted)
+    inspect.prepare_step(1, 1)
+    hooks.arm_counts(True)
+    inspect.arm_counts(True)
+    x = batch(1) * 8.0  # a jump over the recorded amax: overflows as well as underflows
+    train_step(model, x, recipe)
+    n = len(inspect.tensors())
+    got_i = torch.zeros(2, n, dtype=torch.int64, device=DEV)
+    got_h = torch.zeros(2, n, dtype=torch.int64, device=DEV)
+    inspect.read_counts(got_i)
+    hooks.read_counts(got_h)
+    both = torch.tensor(hooks.counted, device=DEV)
+    assert torch.equal(got_i[:, both], got_h[:, both])
+    assert int(got_i[1].sum()) > 0 and int(got_i[0].sum()) > 0
+    assert int(got_i[:, ~both].sum()) > 0  # operands only the inspection path reaches were counted
+    inspect.close()
+    hooks.close()
