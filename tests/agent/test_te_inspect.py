@@ -70,8 +70,13 @@ def test_inspect_counts_what_te_counts_and_only_when_armed() -> None:
     assert ref[0] > 0 and ref[1] > 0
     # the format comes from the cast (E5M2 gradient), not only from the column's default
     g2 = x.float() * 100
-    c.inspect("layer0.mlp.fc2", "gradient", g2, _cast(g2, 57344.0 / 1e5, Fp8Format.E5M2), quantizer)
-    assert c.counts[1].tolist() == count_overflow_underflow(g2, 57344.0 / 1e5, Fp8Format.E5M2).tolist()
+    s2 = 57344.0 / 1e5
+    c.inspect("layer0.mlp.fc2", "gradient", g2, _cast(g2, s2, Fp8Format.E5M2), SimpleNamespace(scale=torch.tensor([s2])))
+    assert c.counts[1].tolist() == count_overflow_underflow(g2, s2, Fp8Format.E5M2).tolist()
+    # current scaling keeps no scale on the quantizer: counted from the FP8 bytes, same result
+    c.counts.zero_()
+    c.inspect("layer0.mlp.fc2", "gradient", g2, _cast(g2, s2, Fp8Format.E5M2), SimpleNamespace())
+    assert c.counts[1].tolist() == count_overflow_underflow(g2, s2, Fp8Format.E5M2).tolist()
 
 
 def test_registered_feature_routes_and_never_raises_into_training() -> None:
@@ -92,7 +97,7 @@ def test_registered_feature_routes_and_never_raises_into_training() -> None:
         assert feature.inspect_tensor_enabled(cfg, "layer0.qkv", "activation", 10) == (True, 15)
         broken = SimpleNamespace(_data=torch.zeros(3, dtype=torch.uint8), _scale_inv=torch.ones(1))
         feature.inspect_tensor(cfg, "layer0.qkv", "activation", 10, None, torch.ones(4), broken, broken,
-                               SimpleNamespace(scale=torch.ones(1)))  # 3 bytes for 4 values: an internal error
+                               SimpleNamespace())  # counted from bytes: 3 bytes for 4 values, an internal error
         assert c.active is False  # switched off, logged, training goes on
         assert feature.inspect_tensor_enabled(cfg, "layer0.qkv", "activation", 11) == (False, None)
     finally:
