@@ -112,15 +112,9 @@ class InspectCounts:
         if not isinstance(data, torch.Tensor) and not isinstance(scale, torch.Tensor):
             return
         fmt = _format_of(quantized, target.fmt)
-        if isinstance(scale, torch.Tensor):
-            # Delayed scaling: the quantizer holds the scale this cast used (TE updates it only
-            # after the pass), so one read of the high-precision tensor is exact; on the H200 it
-            # streamed faster than the FP8-bytes variant (docs/gpu.md).
-            count_cast_into(self.counts[target.index], tensor.detach(), scale=scale, scale_inv=scale_inv, fmt=fmt)
-        else:
-            # Current scaling keeps no scale: count from the bytes the cast produced.
-            count_cast_into(self.counts[target.index], tensor.detach(), scale=torch.reciprocal(scale_inv),
-                            scale_inv=scale_inv, fmt=fmt, fp8_bytes=data)
+        count_cast_into(self.counts[target.index], tensor.detach(), scale=scale if isinstance(scale, torch.Tensor)
+                        else torch.reciprocal(scale_inv), scale_inv=scale_inv, fmt=fmt,
+                        fp8_bytes=data if isinstance(data, torch.Tensor) else None)
         self.calls += 1
 
 
