@@ -390,6 +390,8 @@ class TESource:
             self._scale_in_use = torch.cat([scales[e] for e in plan.order]).index_select(0, plan.index)
         else:
             self._scale_in_use = torch.ones(n, dtype=torch.float32, device=device)
+        self._fp8_mask: torch.Tensor | None = None
+        """1 per column in FP8, 0 where the module is in BF16 fallback (None: all in FP8)."""
         self._handles: list[Any] = []
         if exact_counts not in ("auto", "inspect", "hooks"):
             raise ConfigError(f"exact_counts must be 'auto', 'inspect' or 'hooks', got {exact_counts!r}")
@@ -725,6 +727,11 @@ class TESource:
         torch.index_select(all_hmax, 0, plan.index, out=out[HISTORY_MAX])
         out[SCALE].copy_(self._scale_in_use)
         torch.index_select(scale_now, 0, plan.index, out=self._scale_in_use)
+        if self._fp8_mask is not None:
+            # A module in BF16 measures nothing, but TE keeps its old history rows (the outlier
+            # that caused the fallback among them): report no amax rather than a stale one.
+            out[AMAX].mul_(self._fp8_mask)
+            out[HISTORY_MAX].mul_(self._fp8_mask)
 
     def _write_scale(self, amax: torch.Tensor, dst: torch.Tensor) -> None:
         """``te_current_scale`` of every column into ``dst``, in as few launches as possible."""
@@ -785,6 +792,16 @@ class TESource:
                 reset = getattr(module, "reset_fp8_meta_tensors", None)
                 if callable(reset):
                     reset()
+        self._update_fp8_mask()
+
+    def _update_fp8_mask(self) -> None:
+        in_bf16 = {id(m) for _, m in self._switchable if "_fp8guard_forward" in m.__dict__}
+        if not in_bf16:
+            self._fp8_mask = None
+            return
+        flags = [0.0 if id(c.module) in in_bf16 else 1.0 for c in self._columns]
+        # a host-to-device copy at a fallback or promotion only, never per step
+        self._fp8_mask = torch.tensor(flags, dtype=torch.float32, device=self._device())
 
     def stop_counting(self) -> None:
         """Leave TE's debug path for good (monitor closed or switched off): TE is told that no

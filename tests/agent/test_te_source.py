@@ -584,6 +584,11 @@ def test_bf16_fallback_and_repromotion_with_fresh_state() -> None:
     fp8_out = run()
     source.set_fp8(["0"], enabled=False)
     bf16_out = run()
+    # in BF16 the module measures nothing: no stale amax from its old history rows is reported
+    out = torch.zeros(len(STATS), len(source.tensors()), device=DEV)
+    source.read(out)
+    cols = [i for i, spec in enumerate(source.tensors()) if spec.module == "0"]
+    assert cols and torch.all(out[AMAX, cols] == 0) and torch.all(out[HISTORY_MAX, cols] == 0)
     with te.autocast(enabled=False):
         reference = first(x)
     # the fallen-back layer computes exactly as without FP8, inside an FP8 autocast
