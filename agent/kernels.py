@@ -220,8 +220,8 @@ def sum_of_squares_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], *, p
     small = [t for t in tensors if not any(t is b for b in big)] if big else list(tensors)
     total: torch.Tensor | None = None
     if small:
-        norms = torch._foreach_norm(small)
-        total = torch.stack(norms).to(torch.float32).square().sum()
+        norms = torch._foreach_norm(small, 2, dtype=torch.float32)  # float32: no bf16 rounding of each norm
+        total = torch.stack(norms).square().sum()
     if big:
         kernels = _triton()
         if kernels is None:
