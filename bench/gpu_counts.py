@@ -293,42 +293,33 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     scratch = torch.zeros(len(captured), 2, dtype=torch.int64, device="cuda")
     scratch_hp = torch.zeros_like(scratch)
 
-    def replay(hp: bool, dst: Any) -> float:
+    def launch_all(hp: bool, dst: Any) -> None:
+        for i, c in enumerate(captured):
+            real(dst[i], c["x"], scale=c["scale"], scale_inv=c["scale_inv"], fmt=c["fmt"],
+                 fp8_bytes=None if hp else c["q"])
+
+    def best_ms(body: Any, dst: Any, repeats: int) -> float:
         best = float("inf")
-        for _ in range(3):
+        for _ in range(repeats):
             dst.zero_()
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            for i, c in enumerate(captured):
-                real(dst[i], c["x"], scale=c["scale"], scale_inv=c["scale_inv"], fmt=c["fmt"],
-                     fp8_bytes=None if hp else c["q"])
+            body()
             e1.record()
             torch.cuda.synchronize()
             best = min(best, e0.elapsed_time(e1))
         return best
 
-    t_bytes = replay(False, scratch)
-    t_hp = replay(True, scratch_hp)
+    t_bytes = best_ms(lambda: launch_all(False, scratch), scratch, 3)
+    t_hp = best_ms(lambda: launch_all(True, scratch_hp), scratch_hp, 3)
 
     def graphed(hp: bool, dst: Any) -> float:
         """The same 144 launches captured in a CUDA graph: GPU time alone, no launch overhead."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for i, c in enumerate(captured):
-                real(dst[i], c["x"], scale=c["scale"], scale_inv=c["scale_inv"], fmt=c["fmt"],
-                     fp8_bytes=None if hp else c["q"])
-        best = float("inf")
-        for _ in range(5):
-            dst.zero_()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            graph.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            best = min(best, e0.elapsed_time(e1))
-        return best
+            launch_all(hp, dst)
+        return best_ms(graph.replay, dst, 5)
 
     try:
         g_bytes, g_hp = graphed(False, scratch), graphed(True, scratch_hp)

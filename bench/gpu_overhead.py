@@ -52,21 +52,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._te_model import Records, skip
+
 
 def _skip(reason: str) -> None:
-    print(json.dumps({"bench": "gpu_overhead", "skipped": reason}), flush=True)
-    sys.exit(0)
-
-
-class _Records(logging.Handler):
-    """Keeps the agent's warnings and errors, so the result can show that it never switched off."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(f"{record.levelname} {record.name}: {record.getMessage()}"[:300])
+    skip("gpu_overhead", reason)
 
 
 def main() -> None:
@@ -108,7 +98,7 @@ def main() -> None:
     from fp8guard.agent import Monitor, MonitorConfig, NullTransport
     from fp8guard.agent.kernels import triton_available
 
-    records = _Records()
+    records = Records()
     logging.getLogger("fp8guard").addHandler(records)
 
     H, L, S, B = args.hidden, args.layers, args.seq, args.batch
