@@ -217,7 +217,8 @@ def sum_of_squares_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], *, p
     use_triton = backend == "triton" or (backend == "auto" and triton_available(device))
     big = [t for t in tensors if use_triton and t.numel() >= _SUMSQ_MIN_NUMEL and t.is_contiguous()
            and t.dtype in _HP_KIND] if use_triton else []
-    small = [t for t in tensors if not any(t is b for b in big)] if big else list(tensors)
+    big_ids = {id(t) for t in big}  # by identity: tensors do not compare as keys
+    small = [t for t in tensors if id(t) not in big_ids]
     total: torch.Tensor | None = None
     if small:
         norms = torch._foreach_norm(small, 2, dtype=torch.float32)  # float32: no bf16 rounding of each norm
