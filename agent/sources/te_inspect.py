@@ -98,7 +98,7 @@ class InspectCounts:
 
     def inspect(self, layer_name: str, tensor_name: str, tensor: torch.Tensor | None, quantized: Any,
                 quantizer: Any) -> None:
-        """Count one cast; silently skips what it cannot count exactly (logged once)."""
+        """Count one cast; skips what it cannot count exactly (FP8 primary weights, block scaling)."""
         if not (self.active and self.armed) or tensor is None:
             return  # tensor is None for FP8 primary weights: no high-precision values exist
         target = self.targets.get((layer_name, tensor_name))
@@ -108,6 +108,8 @@ class InspectCounts:
         if not isinstance(scale_inv, torch.Tensor):
             return  # not a per-tensor FP8 cast (high-precision GEMM, block scaling)
         data = getattr(quantized, "_data", None)
+        if isinstance(data, torch.Tensor) and data.numel() != tensor.numel():
+            data = None  # not the element-for-element rowwise bytes: count from the values instead
         scale = getattr(quantizer, "scale", None)
         if not isinstance(data, torch.Tensor) and not isinstance(scale, torch.Tensor):
             return

@@ -95,9 +95,14 @@ def test_registered_feature_routes_and_never_raises_into_training() -> None:
     te_inspect._Slot.counter = c
     try:
         assert feature.inspect_tensor_enabled(cfg, "layer0.qkv", "activation", 10) == (True, 15)
-        broken = SimpleNamespace(_data=torch.zeros(3, dtype=torch.uint8), _scale_inv=torch.ones(1))
+        # bytes that do not match the values and no scale to count from: skipped, nothing counted
+        odd = SimpleNamespace(_data=torch.zeros(3, dtype=torch.uint8), _scale_inv=torch.ones(1))
+        feature.inspect_tensor(cfg, "layer0.qkv", "activation", 10, None, torch.ones(4), odd, odd, SimpleNamespace())
+        assert c.active and c.calls == 0
+        # an internal error (here: an int tensor the kernel cannot read) switches counting off
+        broken = SimpleNamespace(_data=torch.zeros(4, dtype=torch.int32), _scale_inv=torch.ones(1))
         feature.inspect_tensor(cfg, "layer0.qkv", "activation", 10, None, torch.ones(4), broken, broken,
-                               SimpleNamespace())  # counted from bytes: 3 bytes for 4 values, an internal error
+                               SimpleNamespace())
         assert c.active is False  # switched off, logged, training goes on
         assert feature.inspect_tensor_enabled(cfg, "layer0.qkv", "activation", 11) == (False, None)
     finally:
