@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
 
-from bench.gpu_heal import GUARD, HealConfig, _target_modules, _to_te
+from bench.gpu_heal import GUARD, HealConfig, _to_te, install_dormant_unit
 
 
 def _param_hash(model: Any) -> str:
@@ -97,24 +97,8 @@ def run(cfg: HealConfig, args: argparse.Namespace) -> dict[str, Any] | None:
     else:
         emu = emulate_fp8(model, EmulationConfig(amax_history_len=cfg.history))
 
-    unit = 0
     current = {"batch": -1}
-    window = range(cfg.incident, cfg.incident + cfg.incident_batches)
-
-    def light_up(_: Any, a: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if current["batch"] not in window:
-            return None
-        k = current["batch"] - cfg.incident + 1
-        x = a[0].clone()
-        x[..., unit] = cfg.outlier ** min(1.0, k / max(cfg.ramp_batches, 1)) * a[0].detach().abs().amax()
-        return (x,)
-
-    for name in _target_modules(cfg):
-        lin = model.get_submodule(name)
-        with torch.no_grad():
-            lin.weight[:, unit] = 0.0
-        lin.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([unit], device=g.device), 0.0))
-        lin.register_forward_pre_hook(light_up)
+    install_dormant_unit(model, cfg, lambda: current["batch"])
 
     ddp = DistributedDataParallel(model, device_ids=[device.index] if te_backend else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=cfg.lr, weight_decay=0.0, fused=te_backend)

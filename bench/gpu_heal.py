@@ -151,28 +151,7 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
         opt, lambda s: min(1.0, (s + 1) / 50) * (cfg.lr_burst if s in burst else 1.0))
     data = TextBatches(stdlib_text(4_000_000), block_size=cfg.block_size, batch_size=cfg.batch_size, seed=cfg.seed)
     current = {"batch": -1}
-    window = range(cfg.incident, cfg.incident + cfg.incident_batches)
-    unit = 0  # input unit 0 of each target projection: dormant (zero, frozen weight column) in every run
-
-    def light_up(_: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if current["batch"] not in window:
-            return None
-        k = current["batch"] - cfg.incident + 1
-        factor = cfg.outlier ** min(1.0, k / max(cfg.ramp_batches, 1))
-        x = args[0].clone()
-        # a device op, no host sync: the unit carries `factor` times the input's own largest magnitude
-        x[..., unit] = factor * args[0].detach().abs().amax()
-        return (x,)
-
-    def keep_dormant(grad: Any) -> Any:
-        return grad.index_fill(1, torch.tensor([unit], device=grad.device), 0.0)
-
-    for name in _target_modules(cfg):
-        lin = model.get_submodule(name)
-        with torch.no_grad():
-            lin.weight[:, unit] = 0.0
-        lin.weight.register_hook(keep_dormant)
-        lin.register_forward_pre_hook(light_up)
+    install_dormant_unit(model, cfg, lambda: current["batch"])
 
     def forward(x: Any, y: Any) -> Any:
         with contextlib.ExitStack() as stack:
@@ -242,6 +221,39 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
     return {"mode": mode, "losses": curve, "timeline_len": len(timeline), "seconds": round(seconds, 1),
             "final_train_loss": statistics.fmean(curve[-20:]), "val_loss": statistics.fmean(val),
             "run_id": run_id if fp8 else None}
+
+
+def install_dormant_unit(model: Any, cfg: HealConfig, batch: Any) -> None:
+    """The injection: input unit 0 of every target projection has a zero weight column, kept zero
+    (a gradient hook), so in exact arithmetic the unit does nothing. While ``batch()`` is in the
+    incident window the unit lights up to ``cfg.outlier`` times the largest magnitude of the other
+    units of that input, growing geometrically over ``cfg.ramp_batches`` batches."""
+    import torch
+
+    window = range(cfg.incident, cfg.incident + cfg.incident_batches)
+    unit = 0
+
+    def light_up(_: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        b = batch()
+        if b not in window:
+            return None
+        k = b - cfg.incident + 1
+        x = args[0].clone()
+        # a device op, no host sync: the unit carries `factor` times the input's own largest magnitude
+        x[..., unit] = cfg.outlier ** min(1.0, k / max(cfg.ramp_batches, 1)) * args[0].detach().abs().amax()
+        return (x,)
+
+    def keep_dormant(grad: Any) -> Any:
+        grad = grad.clone()
+        grad[:, unit] = 0.0
+        return grad
+
+    for name in _target_modules(cfg):
+        lin = model.get_submodule(name)
+        with torch.no_grad():
+            lin.weight[:, unit] = 0.0
+        lin.weight.register_hook(keep_dormant)
+        lin.register_forward_pre_hook(light_up)
 
 
 def _target_modules(cfg: HealConfig) -> list[str]:

@@ -46,8 +46,42 @@ def test_heal_story_with_emulated_fp8(tmp_path: Path) -> None:
     rules = {f["rule"] for f in unguarded["findings"]}
     assert "amax_growth" in rules
     assert all(len(r["losses"]) == 140 for r in full["runs"].values())
-    # the dormant unit's weights are zero: in high precision the injection changes nothing at all
-    assert summary["val_loss"]["bf16"] > 0
+
+
+def test_dormant_unit_is_a_no_op_in_high_precision_but_not_in_fp8() -> None:
+    """The heal bench's injection: bit-identical outputs and gradients without FP8, changed
+    outputs under (emulated) per-tensor delayed scaling from the next step on, whose scale the lit
+    unit pins."""
+    from bench.gpu_heal import HealConfig, install_dormant_unit
+    from fp8guard.agent import emulate_fp8
+    from fp8guard.nanogpt import GPT, GPTConfig, TextBatches, stdlib_text
+
+    cfg = HealConfig(backend="emulation", n_layer=2, n_head=2, n_embd=32, block_size=16, incident=1,
+                     incident_batches=1, ramp_batches=1, outlier=1e6)
+    x, y = TextBatches(stdlib_text(50_000), block_size=16, batch_size=2).batch(0)
+
+    def run(fp8: bool, lit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32))
+        batch = {"i": 0}
+        emu = emulate_fp8(model) if fp8 else None  # first: it swaps the Linear modules the hooks go on
+        install_dormant_unit(model, cfg, lambda: batch["i"])
+        # a pass to fill the amax history, the lit (or not) pass, and the pass after it, when a
+        # delayed scaling scale set by the lit pass applies (the lit pass itself casts with the old one)
+        for i in (0, 1 if lit else 2, 3):
+            batch["i"] = i
+            model.zero_grad()
+            _, loss = model(x, y)
+            loss.backward()
+            if emu is not None:
+                emu.update()
+        return loss.detach(), model.blocks[0].mlp_proj.weight.grad.clone()
+
+    plain, plain_grad = run(False, lit=False)
+    lit, lit_grad = run(False, lit=True)
+    assert torch.equal(plain, lit) and torch.equal(plain_grad, lit_grad)
+    assert torch.all(lit_grad[:, 0] == 0)  # the unit stays dormant
+    assert not torch.equal(run(True, lit=False)[0], run(True, lit=True)[0])
 
 
 @pytest.mark.slow

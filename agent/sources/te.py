@@ -633,7 +633,7 @@ class TESource:
             from fp8guard.agent.sources import te_inspect
 
             # A new cadence invalidates the 'next debug iteration' TE cached from the old one.
-            te_inspect.set_iteration(step, [m for _, m in self._switchable], requery=changed)
+            te_inspect.set_iteration(step, self._switchable, requery=changed)
 
     def _live_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         hists: list[torch.Tensor] = []
@@ -812,7 +812,7 @@ class TESource:
             te_inspect.detach(self._inspect)
             self._inspect_open = False
             if self._inspect.owning:
-                te_inspect.bump_iteration([m for _, m in self._switchable])
+                te_inspect.bump_iteration(self._switchable)
 
     def close(self) -> None:
         """Remove the module hooks (the source reads nothing afterwards)."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,7 +255,7 @@ def detach(counter: InspectCounts) -> None:
         _Slot.counter = None
 
 
-def set_iteration(step: int, modules: Any = (), *, requery: bool = False) -> None:
+def set_iteration(step: int, modules: Sequence[tuple[str, Any]] = (), *, requery: bool = False) -> None:
     """Make TE's debug iteration ``step`` (fp8guard owns the session). After a jump backwards
     (a rollback) the modules must ask again: their cached 'next debug iteration' is in the
     abandoned future; ``requery`` makes them ask again in any case."""
@@ -267,14 +267,14 @@ def set_iteration(step: int, modules: Any = (), *, requery: bool = False) -> Non
     previous = manager._trainer_iteration_count
     manager.initialize_training_step(step)
     if step < previous or requery:
-        for m in modules:
+        for _, m in modules:
             if hasattr(m, "next_iter_when_debug_should_be_run"):
                 m.next_iter_when_debug_should_be_run = step
                 # ...and treat the next forward as a new iteration even at the same number
                 m.debug_last_iteration = None
 
 
-def bump_iteration(modules: Any = ()) -> None:
+def bump_iteration(modules: Sequence[tuple[str, Any]] = ()) -> None:
     """Advance TE's debug iteration by one and make the modules ask again (they then hear that
     nothing is ever due), so none of them stays on the debug path of a counted iteration."""
     import nvdlfw_inspect.api as debug_api
@@ -284,7 +284,7 @@ def bump_iteration(modules: Any = ()) -> None:
         return
     step = manager._trainer_iteration_count + 1
     manager.initialize_training_step(step)
-    for m in modules:
+    for _, m in modules:
         if hasattr(m, "next_iter_when_debug_should_be_run"):
             m.next_iter_when_debug_should_be_run = step
             m.debug_last_iteration = None
