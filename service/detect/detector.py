@@ -96,19 +96,21 @@ class Detector:
         those tensors; marks their modules as fired. Cooling is per module: a second module
         crossing the line a few steps after the first is its own finding, not swallowed by the
         first one's quiet period."""
-        for row in np.flatnonzero(hits.any(axis=1)).tolist():
-            step = int(steps[row])
-            idx = np.flatnonzero(hits[row])
-            fresh = [i for i in idx.tolist() if self._module_cool(rule, self.tensors[i].module, step)]
-            if fresh:
-                for m in {self.tensors[i].module for i in fresh}:
-                    self.last_fired[f"{rule}:{m}"] = step
-                return row, np.asarray(fresh)
-        return None
-
-    def _module_cool(self, rule: str, module: str, step: int) -> bool:
-        last = self.last_fired.get(f"{rule}:{module}")
-        return last is None or step - last >= self.config.cooldown_steps or step < last
+        cd = self.config.cooldown_steps
+        with np.errstate(invalid="ignore"):
+            last = np.array([self.last_fired.get(f"{rule}:{t.module}", np.nan) for t in self.tensors],
+                            dtype=np.float64)[None, :]
+            at = steps.astype(np.float64)[:, None]
+            ready = np.isnan(last) | (at - last >= cd) | (at < last)  # at < last: a rollback rewound the steps
+        fresh = hits & ready
+        rows = np.flatnonzero(fresh.any(axis=1))
+        if rows.size == 0:
+            return None
+        row = int(rows[0])
+        idx = np.flatnonzero(fresh[row])
+        for m in {self.tensors[i].module for i in idx.tolist()}:
+            self.last_fired[f"{rule}:{m}"] = int(steps[row])
+        return row, idx
 
     def _scalars(self, step: int, row: StepRow) -> list[Finding]:
         cfg = self.config
@@ -212,9 +214,8 @@ class Detector:
         with np.errstate(invalid="ignore", over="ignore"):
             measured = np.isfinite(amax) & (amax > 0) & np.isfinite(hist_max)
             pinned = measured & (hist_max > cfg.stale_scale_factor * amax) & (self.seen >= cfg.amax_growth_warmup)
-        runs = rules.consecutive(self.stale_run, pinned)
-        # a step that measured nothing (module in BF16) ends the episode: its history rolls zeros
-        self.stale_run = np.where(measured[-1], runs[-1], 0)
+        runs = rules.consecutive(self.stale_run, pinned)  # an unmeasured step (BF16) ends the episode
+        self.stale_run = runs[-1]
         first = self._first_fresh("stale_scale", steps, runs >= cfg.stale_scale_steps)
         if first is None:
             return []
