@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8guard import wire
-from fp8guard.agent.commands import Outcome, Remediator, parse_command
+from fp8guard.agent.commands import AckStatus, Command, Outcome, Remediator, parse_command
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
@@ -70,7 +70,7 @@ class Monitor:
         self._next_step = 0
         self._last_flush = time.monotonic()
         self._counting = False
-        self._inbox: deque[dict[str, Any]] = deque()
+        self._inbox: deque[Command] = deque()
         self._applied_ids: set[int] = set()
         self.remediator: Remediator | None = None
         self.rank, self.world_size = 0, 1
@@ -216,46 +216,49 @@ class Monitor:
 
     # -- commands -----------------------------------------------------------------------------
 
-    def receive_commands(self, commands: Iterable[dict[str, Any]]) -> None:
-        """Queue commands from the service (called by the transport's thread, or by tests)."""
-        self._inbox.extend(commands)
+    def receive_commands(self, commands: Iterable[Mapping[str, Any] | Command]) -> None:
+        """Queue commands from the service (called by the transport's thread, or by tests);
+        raw JSON is validated here, at the boundary, and a malformed command is logged and dropped."""
+        for raw in commands:
+            if isinstance(raw, Command):
+                self._inbox.append(raw)
+                continue
+            try:
+                self._inbox.append(parse_command(raw))
+            except ValueError as exc:
+                log.error("fp8guard: ignoring a malformed command from the service: %s", exc)
 
     def _check_commands(self, step: int) -> None:
-        raws: list[dict[str, Any]] = []
+        commands: list[Command] = []
         while self._inbox:
-            raws.append(self._inbox.popleft())
+            commands.append(self._inbox.popleft())
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             # sync point (intended, every command_check_interval_steps): rank 0 tells every rank
             # what to apply, so all of them act at this same step.
-            box: list[Any] = [raws if self.rank == 0 else None]
+            box: list[Any] = [commands if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
-            raws = list(box[0] or [])
-        for raw in raws:
-            self._apply(raw, step)
+            commands = list(box[0] or [])
+        for command in commands:
+            self._apply(command, step)
 
-    def _apply(self, raw: dict[str, Any], step: int) -> None:
-        try:
-            command = parse_command(raw)
-        except ValueError as exc:
-            log.error("fp8guard: ignoring a malformed command from the service: %s", exc)
-            return
+    def _apply(self, command: Command, step: int) -> None:
         if command.id in self._applied_ids:
             return  # delivered again (a retried ingest answer, a restarted service): apply once
         self._applied_ids.add(command.id)
         if self.remediator is None:
-            outcome = Outcome("ignored", error="no remediator attached (Monitor.attach(..., remediator=...))")
+            outcome = Outcome(AckStatus.IGNORED, error="no remediator attached (Monitor.attach(..., remediator=...))")
         else:
             try:
                 outcome = self.remediator.apply(command, step=step)
             except Exception as exc:  # a failed remediation is reported, never raised into training
                 log.exception("fp8guard: applying command %s (%s) failed", command.id, command.kind)
-                outcome = Outcome("failed", error=f"{type(exc).__name__}: {exc}")
+                outcome = Outcome(AckStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
         if outcome.status == "applied":
             log.warning("fp8guard: applied %s at step %d: %s", command.kind, step, command.reason)
-        self.event(wire.EventKind.COMMAND_ACKNOWLEDGED, step=step, data={
-            "command_id": command.id, "kind": command.kind, "status": outcome.status, "applied_step": step,
-            "error": outcome.error, **outcome.details})
-        if outcome.status == "applied":
+        ack = wire.CommandAck(command_id=command.id, status=outcome.status, applied_step=step, error=outcome.error)
+        self.event(wire.EventKind.COMMAND_ACKNOWLEDGED, step=step,
+                   data={**outcome.details, "kind": str(command.kind), **ack.to_json()})
+        if outcome.status is wire.AckStatus.APPLIED:
             kind = {"fallback": wire.EventKind.FALLBACK_APPLIED, "promote": wire.EventKind.PROMOTION_APPLIED,
                     "rollback": wire.EventKind.ROLLBACK_APPLIED}[command.kind]
             self.event(kind, step=step, data={"command_id": command.id,

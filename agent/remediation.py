@@ -56,7 +56,7 @@ small collectives, only when a command is applied) so that every rank gives the 
 A rollback whose checkpoint is missing or unreadable on any rank is applied on none; a module
 name counts as unknown only when no rank has it (pipeline stages hold different modules).
 
-``apply`` never raises: problems come back as ``Outcome("failed", error=...)``.
+``apply`` never raises: problems come back as ``Outcome(AckStatus.FAILED, error=...)``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8guard.agent.checkpoint import CheckpointManager
-from fp8guard.agent.commands import Command, Outcome
+from fp8guard.agent.commands import AckStatus, Command, Outcome
 from fp8guard.agent.sources.base import Source
 from fp8guard.agent.sources.emulation import EmulationSource
 
@@ -169,10 +169,10 @@ class Remediator:
                 return self._switch(command, enabled=True)
             if command.kind == "rollback":
                 return self._rollback(command, step)
-            return Outcome("ignored", error=f"unknown command kind {command.kind!r}")
+            return Outcome(AckStatus.IGNORED, error=f"unknown command kind {command.kind!r}")
         except Exception as exc:  # a remediation must never take training down
             log.exception("fp8guard: applying %s command %s failed", command.kind, command.id)
-            return Outcome("failed", error=f"{type(exc).__name__}: {exc}")
+            return Outcome(AckStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
 
     # -- the loop's hooks ------------------------------------------------------------------------
 
@@ -226,17 +226,17 @@ class Remediator:
         views = self._gather((error, unknown, knows_any))
         errors = [(r, e) for r, (e, _, _) in enumerate(views) if e]
         if errors:
-            return Outcome("failed", error=_per_rank(errors))
+            return Outcome(AckStatus.FAILED, error=_per_rank(errors))
         if wanted is not None:
             nowhere = sorted(set.intersection(*(set(u) for _, u, _ in views)))
             if nowhere:
                 sample = sorted(frozenset[str]().union(*(s.names for s in self._find_switches())))[:8]
-                return Outcome("failed", error=(
+                return Outcome(AckStatus.FAILED, error=(
                     f"unknown FP8 module(s) {nowhere}: no rank has a switchable FP8 module of that name or under "
                     f"it (names look like {sample}; switchable are emulated and torchao modules and those of "
                     f"sources with set_fp8)"))
         elif not any(k for _, _, k in views):
-            return Outcome("failed", error="no FP8 module to switch: no source supports set_fp8 and the model has "
+            return Outcome(AckStatus.FAILED, error="no FP8 module to switch: no source supports set_fp8 and the model has "
                                            "no emulated or torchao FP8 modules (pass Remediator(sources=monitor."
                                            "sources) or model=)")
         error = None
@@ -250,11 +250,11 @@ class Remediator:
             error = f"{type(exc).__name__}: {exc}"
         errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
         if errors:
-            return Outcome("failed", error=_per_rank(errors))
+            return Outcome(AckStatus.FAILED, error=_per_rank(errors))
         details: dict[str, Any] = {"precision": "fp8" if enabled else "bf16", "switched_modules": len(selected)}
         if wanted is not None:
             details["modules"] = sorted(selected)  # parents expanded to the FP8 modules they hold
-        return Outcome("applied", details=details)
+        return Outcome(AckStatus.APPLIED, details=details)
 
     def _find_switches(self) -> list[_Switch]:
         if self._switches is not None:
@@ -297,24 +297,24 @@ class Remediator:
         target = command.checkpoint_step
         # Checks that come out the same on every rank need no agreement.
         if ck is None:
-            return Outcome("failed", error="rollback needs Remediator(checkpoints=CheckpointManager(...))")
+            return Outcome(AckStatus.FAILED, error="rollback needs Remediator(checkpoints=CheckpointManager(...))")
         if target is None or target < 0:
-            return Outcome("failed", error=f"rollback needs a checkpoint_step >= 0, got {target!r}")
+            return Outcome(AckStatus.FAILED, error=f"rollback needs a checkpoint_step >= 0, got {target!r}")
         if target > step:
-            return Outcome("failed", error=f"checkpoint step {target} is after the current step {step}; "
+            return Outcome(AckStatus.FAILED, error=f"checkpoint step {target} is after the current step {step}; "
                                            "a rollback only goes back")
         skip, scale, scale_steps = command.skip_batches, command.lr_scale, command.lr_scale_steps
         if skip < 0:
-            return Outcome("failed", error=f"skip_batches must be >= 0, got {skip}")
+            return Outcome(AckStatus.FAILED, error=f"skip_batches must be >= 0, got {skip}")
         if skip > 0 and not ck.restores_data:
-            return Outcome("failed", error=f"cannot skip {skip} batches: the CheckpointManager has no "
+            return Outcome(AckStatus.FAILED, error=f"cannot skip {skip} batches: the CheckpointManager has no "
                                            "data_state/load_data_state hooks")
         if not (math.isfinite(scale) and scale > 0) or scale_steps < 0:
-            return Outcome("failed", error=f"lr_scale must be a finite number > 0 and lr_scale_steps >= 0, got "
+            return Outcome(AckStatus.FAILED, error=f"lr_scale must be a finite number > 0 and lr_scale_steps >= 0, got "
                                            f"{scale} and {scale_steps}")
         scaling = scale != 1.0 and scale_steps > 0
         if scaling and self._lr_hook is None and self._lr_optimizer() is None:
-            return Outcome("failed", error="lr scaling needs an optimizer (Remediator(optimizer=...) or the "
+            return Outcome(AckStatus.FAILED, error="lr scaling needs an optimizer (Remediator(optimizer=...) or the "
                                            "CheckpointManager's) or an lr_schedule_hook")
 
         # Phase 1: every rank reads and validates its file; restore only if all of them can.
@@ -326,7 +326,7 @@ class Remediator:
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
         if errors:
-            return Outcome("failed", error=f"rollback to step {target} applied on no rank: {_per_rank(errors)}")
+            return Outcome(AckStatus.FAILED, error=f"rollback to step {target} applied on no rank: {_per_rank(errors)}")
         assert payload is not None
 
         # Phase 2: restore in place.
@@ -344,12 +344,12 @@ class Remediator:
             error = f"{type(exc).__name__}: {exc}"
         errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
         if errors:
-            return Outcome("failed", error=(
+            return Outcome(AckStatus.FAILED, error=(
                 f"rollback to step {target} failed while restoring on {_per_rank(errors)}; the other ranks "
                 f"restored, so the ranks no longer hold the same state: stop the job and restart it from "
                 f"the checkpoint of step {target}"))
         self._resume = target + 1
-        return Outcome("applied", resume_step=target + 1, details=details)
+        return Outcome(AckStatus.APPLIED, resume_step=target + 1, details=details)
 
     def _clear_grads(self) -> None:
         # Gradients of the abandoned step would otherwise move the restored weights in the

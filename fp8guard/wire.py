@@ -26,6 +26,7 @@ import re
 import sys
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
@@ -43,6 +44,10 @@ __all__ = [
     "PROTOCOL_VERSION",
     "RUN_ID_PATTERN",
     "STEP_FIELDS",
+    "AckStatus",
+    "Command",
+    "CommandAck",
+    "CommandKind",
     "EventKind",
     "decode_f32",
     "decode_float",
@@ -85,6 +90,127 @@ class EventKind(StrEnum):
     COMMAND_ACKNOWLEDGED = "command_acknowledged"
     TELEMETRY_DROPPED = "telemetry_dropped"
     NOTE = "note"
+
+
+class CommandKind(StrEnum):
+    """What the service may order the agent to do (the remediation half of the protocol)."""
+
+    FALLBACK = "fallback"
+    """Switch ``modules`` (None: the whole model) to BF16."""
+    PROMOTE = "promote"
+    """Switch ``modules`` back to FP8 with a fresh amax history and scale."""
+    ROLLBACK = "rollback"
+    """Restore the checkpoint of ``checkpoint_step``, skip ``skip_batches``, scale the LR."""
+
+
+class AckStatus(StrEnum):
+    """How the agent answers a command (``command_acknowledged`` event)."""
+
+    APPLIED = "applied"
+    FAILED = "failed"
+    IGNORED = "ignored"
+
+
+def _opt_int(raw: Mapping[str, Any], key: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer or null, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One command from the service, as it travels in ingest answers and on
+    ``GET /v1/runs/{run_id}/commands``. Ids make delivery idempotent: an agent never applies an
+    id twice."""
+
+    id: int
+    kind: CommandKind
+    reason: str = ""
+    modules: tuple[str, ...] | None = None
+    """fallback/promote: qualified module names; None means the whole model."""
+    escalation: bool = False
+    """fallback: ordered by an escalation; the modules stay in BF16 until a person promotes them."""
+    checkpoint_step: int | None = None
+    """rollback: restore the checkpoint saved at this step."""
+    skip_batches: int = 0
+    """rollback: data batches to skip after restoring."""
+    lr_scale: float = 1.0
+    """rollback: multiply the learning rate by this for ``lr_scale_steps`` steps."""
+    lr_scale_steps: int = 0
+    onset_step: int | None = None
+    """rollback: first step of the anomaly."""
+    spike_step: int | None = None
+    """rollback: last step of the anomaly the decision saw."""
+
+    def __post_init__(self) -> None:
+        if self.kind is CommandKind.ROLLBACK and self.checkpoint_step is None:
+            raise ValueError("a rollback command needs a checkpoint_step")
+        if self.skip_batches < 0 or self.lr_scale_steps < 0:
+            raise ValueError("skip_batches and lr_scale_steps must not be negative")
+        if not (0 < self.lr_scale <= 1):
+            raise ValueError(f"lr_scale must be in (0, 1], got {self.lr_scale}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": str(self.kind), "reason": self.reason,
+                "modules": list(self.modules) if self.modules is not None else None,
+                "escalation": self.escalation, "checkpoint_step": self.checkpoint_step,
+                "skip_batches": self.skip_batches, "lr_scale": self.lr_scale, "lr_scale_steps": self.lr_scale_steps,
+                "onset_step": self.onset_step, "spike_step": self.spike_step}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Command:
+        """Validate one command; raises ValueError naming the bad field. Unknown fields are
+        ignored (a newer service may add some)."""
+        try:
+            kind = CommandKind(str(raw.get("kind")))
+        except ValueError:
+            raise ValueError(f"command kind {raw.get('kind')!r} is not one of {[str(k) for k in CommandKind]}") from None
+        cid = raw.get("id")
+        if not isinstance(cid, int) or isinstance(cid, bool):
+            raise ValueError(f"command id must be an int, got {cid!r}")
+        modules = raw.get("modules")
+        if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
+            raise ValueError("command modules must be a list of module names or null")
+        lr_scale = raw.get("lr_scale", 1.0)
+        if not isinstance(lr_scale, int | float) or isinstance(lr_scale, bool):
+            raise ValueError(f"lr_scale must be a number, got {lr_scale!r}")
+        return cls(id=cid, kind=kind, reason=str(raw.get("reason") or ""),
+                   modules=tuple(modules) if modules is not None else None,
+                   escalation=bool(raw.get("escalation", False)), checkpoint_step=_opt_int(raw, "checkpoint_step"),
+                   skip_batches=_opt_int(raw, "skip_batches") or 0, lr_scale=float(lr_scale),
+                   lr_scale_steps=_opt_int(raw, "lr_scale_steps") or 0, onset_step=_opt_int(raw, "onset_step"),
+                   spike_step=_opt_int(raw, "spike_step"))
+
+
+@dataclass(frozen=True, slots=True)
+class CommandAck:
+    """The agent's answer to a command: the ``data`` of a ``command_acknowledged`` event."""
+
+    command_id: int
+    status: AckStatus
+    applied_step: int | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"command_id": self.command_id, "status": str(self.status), "applied_step": self.applied_step,
+                "error": self.error}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> CommandAck:
+        """Validate an acknowledgement; raises ValueError naming the bad field."""
+        cid = raw.get("command_id")
+        if not isinstance(cid, int) or isinstance(cid, bool):
+            raise ValueError(f"command_id must be an int, got {cid!r}")
+        try:
+            status = AckStatus(str(raw.get("status")))
+        except ValueError:
+            raise ValueError(f"status {raw.get('status')!r} is not one of {[str(s) for s in AckStatus]}") from None
+        error = raw.get("error")
+        return cls(command_id=cid, status=status, applied_step=_opt_int(raw, "applied_step"),
+                   error=None if error is None else str(error))
 
 
 def encode_float(value: float | None) -> float | str | None:

@@ -1,7 +1,15 @@
-"""``create_app(settings)``: the FastAPI application factory. Nothing is built at import time."""
+"""``create_app(settings)``: the FastAPI application factory. Nothing is built at import time.
+
+The stages, in the order data flows through them::
+
+    ingest (validate, group-commit, answer)  ->  store  ->  loop (detect, decide, issue commands)
+        ->  commands (ingest answers, long-poll channel) and alerts (outbox, dispatcher)
+        ->  queries (JSON API, /metrics)  ->  web (dashboards)
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -10,11 +18,18 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from fp8guard import __version__
+from fp8guard.service import health
 from fp8guard.service.alerts.dispatcher import AlertDispatcher
-from fp8guard.service.alerts.hook import OutboxAlerts
+from fp8guard.service.domain import Batch, IngestResult
 from fp8guard.service.errors import install_handlers
-from fp8guard.service.metrics import install_metrics
-from fp8guard.service.routes import health, ingest, runs
+from fp8guard.service.ingest import routes as ingest_routes
+from fp8guard.service.ingest.committer import Committer
+from fp8guard.service.loop.channel import CommandChannel
+from fp8guard.service.loop.judge import Judge
+from fp8guard.service.loop.worker import LoopWorker
+from fp8guard.service.queries import loop as loop_queries
+from fp8guard.service.queries import runs as run_queries
+from fp8guard.service.queries.metrics import install_metrics
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
@@ -29,30 +44,49 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     settings = settings or Settings()
     owns_store = store is None
     store = store or Store.open(settings.database_url, check_schema=settings.check_schema)
-    store.alert_hook = OutboxAlerts(settings.alerts)
+    channel = CommandChannel()
+    loop = LoopWorker(store, Judge(settings.alerts, batch_limit=settings.loop_batch_limit),
+                      threads=settings.loop_threads, sweep_interval_s=settings.loop_sweep_interval_s,
+                      on_commands=channel.notify)
+
+    def judge_soon(batch: Batch, result: IngestResult) -> None:
+        if result.run_pk is not None and not result.duplicate:
+            loop.submit(result.run_pk, result.queue_id, batch)
+
+    committer = Committer(store, max_batches=settings.group_commit_max_batches, on_stored=judge_soon)
     dispatcher = AlertDispatcher(store.engine, settings.alerts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        channel.bind(asyncio.get_running_loop())
+        committer.start()
+        loop.start()
         if owns_store:  # a store handed in by a test drives its own dispatcher, if any
             dispatcher.start()
         yield
+        committer.close()  # stores what was accepted, then the loop judges it
+        loop.drain(timeout=settings.loop_drain_timeout_s)
+        loop.close()
         dispatcher.close()
         store.close()
 
     app = FastAPI(
         title="fp8guard",
         version=__version__,
-        summary="Stores FP8 training telemetry and answers queries for dashboards.",
+        summary="Stores FP8 training telemetry, judges it, and orders rollbacks and BF16 fallbacks.",
         lifespan=lifespan,
     )
     app.state.settings = settings
     app.state.store = store
+    app.state.committer = committer
+    app.state.loop = loop
+    app.state.commands = channel
     app.state.alerts = dispatcher
     install_handlers(app)
     app.include_router(health.router)
-    app.include_router(ingest.router)
-    app.include_router(runs.router)
+    app.include_router(ingest_routes.router)
+    app.include_router(run_queries.router)
+    app.include_router(loop_queries.router)
     app.include_router(web_router())
     install_metrics(app, store)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

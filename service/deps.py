@@ -6,10 +6,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from fp8guard.service.ingest.committer import Committer
+from fp8guard.service.loop.channel import CommandChannel
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
 
-__all__ = ["SettingsDep", "StoreDep", "get_settings", "get_store"]
+__all__ = ["ChannelDep", "CommitterDep", "SettingsDep", "StoreDep", "get_settings", "get_store"]
 
 
 def get_store(request: Request) -> Store:
@@ -22,5 +24,17 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
+def get_committer(request: Request) -> Committer:
+    committer: Committer = request.app.state.committer
+    return committer
+
+
+def get_channel(request: Request) -> CommandChannel:
+    channel: CommandChannel = request.app.state.commands
+    return channel
+
+
 StoreDep = Annotated[Store, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+CommitterDep = Annotated[Committer, Depends(get_committer)]
+ChannelDep = Annotated[CommandChannel, Depends(get_channel)]

@@ -9,10 +9,20 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fp8guard import wire
+from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Rule, Severity
+
 __all__ = [
+    "ActionRecord",
     "Batch",
+    "CheckpointRecord",
+    "Decision",
     "EventRecord",
+    "Finding",
+    "FindingRecord",
     "IngestResult",
+    "PrecisionRecord",
+    "QueuedBatch",
     "RankProgress",
     "RunDetail",
     "RunSpec",
@@ -138,8 +148,11 @@ class IngestResult:
     duplicate: bool
     steps: int
     samples: int
-    commands: list[dict[str, Any]] = field(default_factory=list)
-    """Pending remediation commands for the run (see fp8guard.agent.commands)."""
+    commands: list[wire.Command] = field(default_factory=list)
+    """Pending remediation commands for the run."""
+    queue_id: int | None = None
+    """The batch's place in the closed loop's queue (None for a duplicate or a batch with no steps)."""
+    run_pk: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,3 +190,117 @@ class TensorMatrix:
     minimum: F32
     maximum: F32
     tensors: list[TensorInfo]
+
+
+# -- the closed loop ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedBatch:
+    """A stored batch waiting for the closed loop, in the order its rank wrote it."""
+
+    queue_id: int
+    rank: int
+    segment: int
+    first_step: int
+    last_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """What a detection rule saw."""
+
+    rule: Rule
+    severity: Severity
+    step: int
+    onset_step: int
+    explanation: str
+    """One sentence, for people."""
+    modules: tuple[str, ...] = ()
+    evidence: dict[str, Any] = field(default_factory=dict)
+    """Tensors, steps, values."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the policy decided, with the command fields its kind needs."""
+
+    kind: ActionKind
+    reason: str
+    findings: tuple[int, ...]
+    """Indexes into the findings the policy was given."""
+    severity: Severity = Severity.WARNING
+    modules: tuple[str, ...] | None = None
+    """fallback/promote: the modules; None = the whole model."""
+    escalation: bool = False
+    checkpoint_step: int | None = None
+    skip_batches: int = 0
+    lr_scale: float = 1.0
+    lr_scale_steps: int = 0
+    onset_step: int | None = None
+    spike_step: int | None = None
+    rule: Rule | None = None
+    """alert: the rule of the finding that is alerted."""
+
+    def command(self, command_id: int) -> wire.Command:
+        """The command this decision sends (commands only)."""
+        return wire.Command(id=command_id, kind=wire.CommandKind(self.kind.value), reason=self.reason,
+                            modules=self.modules, escalation=self.escalation, checkpoint_step=self.checkpoint_step,
+                            skip_batches=self.skip_batches, lr_scale=self.lr_scale, lr_scale_steps=self.lr_scale_steps,
+                            onset_step=self.onset_step, spike_step=self.spike_step)
+
+    def details(self) -> dict[str, Any]:
+        """The decision's fields as JSON (stored with the action, sent with its alert)."""
+        out: dict[str, Any] = {"modules": list(self.modules) if self.modules is not None else None}
+        if self.kind is ActionKind.FALLBACK:
+            out["escalation"] = self.escalation
+        if self.kind is ActionKind.ROLLBACK:
+            out.update(checkpoint_step=self.checkpoint_step, skip_batches=self.skip_batches, lr_scale=self.lr_scale,
+                       lr_scale_steps=self.lr_scale_steps, onset_step=self.onset_step, spike_step=self.spike_step)
+        if self.rule is not None:
+            out["rule"] = str(self.rule)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class FindingRecord:
+    id: int
+    rank: int
+    segment: int
+    step: int
+    onset_step: int
+    rule: Rule
+    severity: Severity
+    explanation: str
+    modules: list[str]
+    evidence: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRecord:
+    id: int
+    kind: ActionKind
+    status: ActionStatus
+    step: int
+    reason: str
+    details: dict[str, Any]
+    finding_ids: list[int]
+    applied_step: int | None
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionRecord:
+    module: str
+    precision: Precision
+    since_step: int
+    """The step the agent reported the switch applied."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    rank: int
+    segment: int
+    step: int
+    path: str | None
+    known_good: bool

@@ -12,13 +12,21 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
 from fp8guard import wire
+from fp8guard.service.domain import ActionRecord, CheckpointRecord, FindingRecord, PrecisionRecord
+from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Rule, Severity
 
 __all__ = [
+    "ActionOut",
+    "CheckpointOut",
+    "CommandAckIn",
+    "CommandOut",
     "EventIn",
     "EventOut",
+    "FindingOut",
     "IngestBatchIn",
     "IngestResultOut",
     "JsonFloat",
+    "PrecisionOut",
     "RankOut",
     "RunDetailOut",
     "RunIn",
@@ -95,12 +103,29 @@ class TensorStatsIn(BaseModel):
         return value
 
 
+class CommandAckIn(BaseModel):
+    """Mirror of ``wire.CommandAck``: the data of a ``command_acknowledged`` event (other keys
+    the agent adds, such as the command's kind or rollback details, are kept as they are)."""
+
+    model_config = ConfigDict(extra="allow")
+    command_id: int = Field(ge=0)
+    status: wire.AckStatus
+    applied_step: int | None = Field(default=None, ge=0, lt=MAX_STEP)
+    error: str | None = None
+
+
 class EventIn(BaseModel):
     model_config = _strict
     kind: wire.EventKind
     step: int | None = Field(default=None, ge=0, lt=MAX_STEP)
     time: float | None = None
     data: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _typed_ack(self) -> EventIn:
+        if self.kind is wire.EventKind.COMMAND_ACKNOWLEDGED:
+            CommandAckIn.model_validate(self.data)  # a malformed ack is refused at the door, with its field
+        return self
 
 
 class IngestBatchIn(BaseModel):
@@ -135,16 +160,35 @@ class IngestBatchIn(BaseModel):
         return self
 
 
+class CommandOut(BaseModel):
+    """Mirror of ``wire.Command``: one command for the agent."""
+
+    id: int
+    kind: wire.CommandKind
+    reason: str
+    modules: list[str] | None = Field(description="fallback/promote: module names; null = the whole model")
+    escalation: bool = Field(description="fallback: ordered by an escalation (stays in BF16 until a person acts)")
+    checkpoint_step: int | None = Field(description="rollback: restore the checkpoint saved at this step")
+    skip_batches: int = Field(description="rollback: data batches to skip after restoring")
+    lr_scale: float = Field(description="rollback: learning-rate factor for lr_scale_steps steps")
+    lr_scale_steps: int
+    onset_step: int | None = Field(description="rollback: first step of the anomaly")
+    spike_step: int | None = Field(description="rollback: last step of the anomaly the decision saw")
+
+    @classmethod
+    def of(cls, c: wire.Command) -> CommandOut:
+        return cls.model_validate(c.to_json())
+
+
 class IngestResultOut(BaseModel):
     batch_id: str
     duplicate: bool = Field(description="true when this batch id was already stored; nothing was written")
     steps: int
     samples: int = Field(description="tensor-samples stored (one tensor's stats at one step)")
-    commands: list[dict[str, Any]] = Field(
+    commands: list[CommandOut] = Field(
         default_factory=list,
-        description="pending remediation commands for this run: {id, kind: fallback|promote|rollback, reason, "
-                    "modules, checkpoint_step, skip_batches, lr_scale, lr_scale_steps}; acknowledge each with a "
-                    "command_acknowledged event")
+        description="pending remediation commands for this run; acknowledge each with a command_acknowledged "
+                    "event (data: CommandAckIn)")
 
 
 class RunIn(BaseModel):
@@ -160,7 +204,7 @@ class RunIn(BaseModel):
     @classmethod
     def _valid_guard(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            from fp8guard.service.detect.config import GuardConfig
+            from fp8guard.service.loop.config import GuardConfig
 
             GuardConfig.model_validate(value)  # unknown keys and bad values are refused here, with their names
         return value
@@ -249,3 +293,60 @@ class EventOut(BaseModel):
     segment: int
     data: dict[str, Any]
 
+
+
+class FindingOut(BaseModel):
+    id: int
+    rank: int
+    segment: int
+    step: int
+    onset_step: int
+    rule: Rule = Field(description="the detection rule (see docs/closed-loop.md)")
+    severity: Severity
+    explanation: str
+    modules: list[str]
+    evidence: dict[str, Any] = Field(description="tensors, values and thresholds behind the finding")
+
+    @classmethod
+    def of(cls, f: FindingRecord) -> FindingOut:
+        return cls(id=f.id, rank=f.rank, segment=f.segment, step=f.step, onset_step=f.onset_step, rule=f.rule,
+                   severity=f.severity, explanation=f.explanation, modules=f.modules, evidence=f.evidence)
+
+
+class ActionOut(BaseModel):
+    id: int
+    kind: ActionKind
+    status: ActionStatus
+    step: int = Field(description="the step at which the service decided")
+    reason: str
+    payload: dict[str, Any] = Field(description="the decision's fields (modules, checkpoint_step, skip_batches...)")
+    finding_ids: list[int]
+    applied_step: int | None
+    error: str | None
+
+    @classmethod
+    def of(cls, a: ActionRecord) -> ActionOut:
+        return cls(id=a.id, kind=a.kind, status=a.status, step=a.step, reason=a.reason, payload=a.details,
+                   finding_ids=a.finding_ids, applied_step=a.applied_step, error=a.error)
+
+
+class PrecisionOut(BaseModel):
+    module: str
+    precision: Precision = Field(description="as the agent reported it applied")
+    since_step: int
+
+    @classmethod
+    def of(cls, p: PrecisionRecord) -> PrecisionOut:
+        return cls(module=p.module, precision=p.precision, since_step=p.since_step)
+
+
+class CheckpointOut(BaseModel):
+    rank: int
+    segment: int
+    step: int
+    path: str | None
+    known_good: bool = Field(description="no warning or critical finding followed it for known_good_after_steps")
+
+    @classmethod
+    def of(cls, c: CheckpointRecord) -> CheckpointOut:
+        return cls(rank=c.rank, segment=c.segment, step=c.step, path=c.path, known_good=c.known_good)

@@ -36,6 +36,22 @@ class Settings(BaseSettings):
     alerts: AlertSettings = Field(default_factory=AlertSettings)
     """Where alerts go: ``FP8GUARD_ALERTS__WEBHOOKS='[{"url": ..., "secret": "whsec_..."}]'``,
     ``FP8GUARD_ALERTS__SLACK``, ``FP8GUARD_ALERTS__ALERTMANAGER`` (see ``service/alerts/config.py``)."""
+    group_commit_max_batches: int = Field(default=64, ge=1, le=10_000)
+    """Most batches stored in one ingest transaction (group commit under many agents)."""
+    loop_threads: int = Field(default=2, ge=1, le=64)
+    """Threads judging runs (one run per thread at a time; runs in parallel)."""
+    loop_batch_limit: int = Field(default=256, ge=1)
+    """Most queued batches one closed-loop pass judges before the run's turn passes on."""
+    loop_sweep_interval_s: float = Field(default=1.0, gt=0, le=3600)
+    """How often the loop looks for batches other processes (or a crash) left unjudged."""
+    loop_drain_timeout_s: float = Field(default=10.0, ge=0)
+    """On shutdown, how long the loop may take to judge what was already acknowledged (what is
+    left stays queued in the database and is judged after the restart)."""
+    command_poll_interval_s: float = Field(default=0.5, gt=0, le=60)
+    """A long-poll on commands re-reads the database this often (commands decided by another
+    service process; those of this process wake it at once)."""
+    long_poll_max_s: float = Field(default=60.0, gt=0, le=300)
+    """Longest wait a long-poll on commands may ask for."""
     check_schema: bool = True
     """Refuse to start unless the schema is at the newest migration (turn off only in tests)."""
 

@@ -65,5 +65,11 @@ def register(client: Any, run_id: str, **body: Any) -> Any:
     return r
 
 
-def post(client: Any, payload: dict[str, Any], **kw: Any) -> Any:
-    return client.post("/v1/ingest", content=wire.dumps(payload), headers={"content-type": "application/json"}, **kw)
+def post(client: Any, payload: dict[str, Any], *, judged: bool = True, **kw: Any) -> Any:
+    """POST a batch; with ``judged`` (the default) also wait until the closed loop judged it, so a
+    test reads the loop's findings and commands right after, as an agent's next answer would."""
+    r = client.post("/v1/ingest", content=wire.dumps(payload), headers={"content-type": "application/json"}, **kw)
+    app = getattr(client, "app", None)  # an in-process TestClient (a client of a real server has none)
+    if judged and app is not None:
+        assert app.state.loop.drain(timeout=30), "the closed loop did not catch up in 30 s"
+    return r

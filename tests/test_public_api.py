@@ -11,7 +11,7 @@ PUBLIC = {
     "fp8guard.service": ["Settings", "create_app"],
     "fp8guard.wire": [
         "BATCH_ID_PATTERN", "MAX_BATCH_STEPS", "MAX_TENSORS", "NONFINITE_STRINGS", "PROTOCOL_VERSION",
-        "RUN_ID_PATTERN", "STEP_FIELDS", "EventKind", "decode_f32", "decode_float", "dumps", "encode_f32",
+        "RUN_ID_PATTERN", "STEP_FIELDS", "AckStatus", "Command", "CommandAck", "CommandKind", "EventKind", "decode_f32", "decode_float", "dumps", "encode_f32",
         "encode_float", "gzip_body", "make_batch", "new_batch_id", "tensor_stats_block",
     ],
     "fp8guard.service.store": ["Store", "Window", "make_engine", "upgrade", "verify_schema"],
@@ -22,7 +22,7 @@ PUBLIC = {
     ],
     "fp8guard.agent.kernels": ["count_cast_into", "sum_of_squares_into", "triton_available"],
     "fp8guard.agent.sources.te_inspect": ["FEATURE_NAME", "TENSOR_NAMES", "InspectCounts", "register_feature"],
-    "fp8guard.service.detect": [
+    "fp8guard.service.loop": [
         "Decision", "Detector", "Finding", "GuardConfig", "RunView", "Severity", "TensorMeta", "decide", "promotions",
     ],
 }

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fp8guard import wire
-from fp8guard.service.ingest import decode_batch
+from fp8guard.service.ingest.decode import decode_batch
 from fp8guard.service.schemas import EventIn, IngestBatchIn, StepIn, TensorDefIn, TensorStatsIn
 
 

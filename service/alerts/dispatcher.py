@@ -1,11 +1,8 @@
 """``AlertDispatcher``: delivers due outbox rows, with retries, from a background thread.
 
-Claiming works the same on both backends: one ``UPDATE ... WHERE id IN (SELECT ... LIMIT n)
-RETURNING`` moves the chosen rows' ``next_attempt_at`` to a lease deadline and commits, then the
-HTTP requests go out with no transaction open, then each outcome is written in its own short
-transaction. On PostgreSQL the inner SELECT is ``FOR UPDATE SKIP LOCKED``, so several service
-processes claim disjoint rows without waiting on each other; on SQLite the UPDATE takes the
-database's single write lock, which serialises claims just as well. A process that dies mid-send
+Rows are claimed under a lease (``store.outbox.claim_due``: disjoint claims across service
+processes), then the HTTP requests go out with no transaction open, then each outcome is written
+in its own short transaction. A process that dies mid-send
 leaves its rows leased; they become due again when the lease ends (at-least-once delivery, and
 webhook receivers dedupe on the unchanged ``webhook-id``).
 """
@@ -18,17 +15,16 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import httpx
-import sqlalchemy as sa
-from sqlalchemy.engine import Engine, Row
+from sqlalchemy.engine import Engine
 
 from fp8guard.service.alerts.config import AlertSettings
 from fp8guard.service.alerts.model import Alert
-from fp8guard.service.alerts.outbox import backlog, utc
 from fp8guard.service.alerts.sinks import Delivery, build_request, send
-from fp8guard.service.store.models import SqlAlert
+from fp8guard.service.store import outbox
+from fp8guard.service.store.outbox import OutboxEntry, utc
 
 __all__ = ["OUTCOMES", "AlertDispatcher"]
 
@@ -37,7 +33,6 @@ log = logging.getLogger(__name__)
 OUTCOMES = ("sent", "resent", "resolved", "retry", "failed")
 """``stats()`` keys: first delivery, Alertmanager re-send, Alertmanager resolve, a failure that
 will be retried, giving up."""
-_T = cast(sa.Table, SqlAlert.__table__)
 
 
 def _now() -> datetime:
@@ -104,36 +99,13 @@ class AlertDispatcher:
                 break
         return attempted
 
-    def _claim(self, names: list[str]) -> list[Row[Any]]:
+    def _claim(self, names: list[str]) -> list[OutboxEntry]:
         now = utc(self._clock())
-        due = (
-            sa.select(_T.c.id)
-            .where(
-                _T.c.sink.in_(names),
-                _T.c.next_attempt_at <= now,
-                sa.or_(_T.c.status == "pending",
-                       # an active Alertmanager alert awaiting its periodic re-send or final resolve
-                       sa.and_(_T.c.status == "sent", _T.c.active_until.is_not(None))),
-            )
-            .order_by(_T.c.next_attempt_at, _T.c.id)
-            .limit(self._batch_size)
-        )
-        # A read-only probe first: on SQLite every UPDATE takes the database's only write lock,
-        # and an idle outbox should not contend with ingest once per poll interval.
-        with self._engine.connect() as conn:
-            if conn.execute(due.with_only_columns(_T.c.id).limit(1)).first() is None:
-                return []
-        if self._postgres:
-            due = due.with_for_update(skip_locked=True)
         # Sends are sequential, so the last claimed row may wait for all the others' timeouts.
         lease = now + timedelta(seconds=(self._batch_size + 1) * self._settings.request_timeout_s + 30)
-        with self._engine.begin() as conn:
-            rows = conn.execute(
-                sa.update(_T).where(_T.c.id.in_(due.scalar_subquery())).values(next_attempt_at=lease).returning(*_T.c)
-            ).all()
-        return sorted(rows, key=lambda r: (r.next_attempt_at, r.id))
+        return outbox.claim_due(self._engine, names, now, lease, self._batch_size)
 
-    def _deliver(self, row: Row[Any]) -> None:
+    def _deliver(self, row: OutboxEntry) -> None:
         sink = self._settings.sink(row.sink)
         if sink is None:  # reconfigured between claim and send; the lease will expire and retry
             return
@@ -175,11 +147,8 @@ class AlertDispatcher:
             delay = max(delay, result.retry_after_s)
         log.info("alert row %s to sink %s failed (%s); retry %d in %.1f s", row.id, row.sink, result.error,
                  attempts, delay)
-        with self._engine.begin() as conn:
-            conn.execute(sa.update(_T).where(_T.c.id == row.id).values(
-                attempts=attempts, last_error=(result.error or "")[:1000],
-                next_attempt_at=done + timedelta(seconds=delay),
-            ))
+        outbox.record(self._engine, row.id, attempts=attempts, last_error=(result.error or "")[:1000],
+                      next_attempt_at=done + timedelta(seconds=delay))
         self._count(row.sink, "retry")
 
     def backoff(self, attempts: int) -> float:
@@ -187,18 +156,12 @@ class AlertDispatcher:
         base = min(self._settings.backoff_max_s, self._settings.backoff_base_s * 2.0 ** min(attempts - 1, 60))
         return base * self._rng.uniform(0.8, 1.2)
 
-    def _mark_active(self, row: Row[Any], now: datetime) -> None:
-        # Re-send after resend_interval_s, or at active_until to resolve. active_until is read in
-        # SQL, not from the claimed row: resolve() may have moved it to "now" while we were sending.
-        nxt = now + timedelta(seconds=self._settings.resend_interval_s)
-        with self._engine.begin() as conn:
-            conn.execute(sa.update(_T).where(_T.c.id == row.id).values(
-                status="sent", attempts=0, last_error=None, sent_at=now,
-                next_attempt_at=sa.case((_T.c.active_until < nxt, _T.c.active_until), else_=nxt),
-            ))
+    def _mark_active(self, row: OutboxEntry, now: datetime) -> None:
+        # Re-send after resend_interval_s, or at active_until to resolve.
+        outbox.record_active(self._engine, row.id, now, now + timedelta(seconds=self._settings.resend_interval_s))
         self._count(row.sink, "resent" if row.status == "sent" else "sent")
 
-    def _finish(self, row: Row[Any], *, status: str, error: str | None, outcome: str,
+    def _finish(self, row: OutboxEntry, *, status: str, error: str | None, outcome: str,
                 sent_at: datetime | None = None, attempts: int | None = None) -> None:
         values: dict[str, Any] = {"status": status, "last_error": error}
         if sent_at is not None:
@@ -207,8 +170,7 @@ class AlertDispatcher:
             values["attempts"] = attempts
         elif status in ("sent", "resolved"):
             values["attempts"] = row.attempts + 1  # terminal: attempts = all tries, this one included
-        with self._engine.begin() as conn:
-            conn.execute(sa.update(_T).where(_T.c.id == row.id).values(**values))
+        outbox.record(self._engine, row.id, **values)
         self._count(row.sink, outcome)
 
     def _count(self, sink: str, outcome: str) -> None:
@@ -228,7 +190,7 @@ class AlertDispatcher:
     def backlog(self) -> dict[str, dict[str, int]]:
         """Outbox rows by sink and status, read from the database (for gauges)."""
         with self._engine.connect() as conn:
-            return backlog(conn)
+            return outbox.backlog(conn)
 
     # -- background thread ---------------------------------------------------------------------
 

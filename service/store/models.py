@@ -40,6 +40,7 @@ __all__ = [
     "SqlEvent",
     "SqlFinding",
     "SqlLayerPrecision",
+    "SqlLoopQueue",
     "SqlRun",
     "SqlRunRank",
     "SqlSegment",
@@ -296,7 +297,8 @@ class SqlCheckpoint(Base):
 
 
 class SqlLayerPrecision(Base):
-    """Each module's current precision and since when (from applied fallbacks/promotions)."""
+    """Each module's precision and since when, as the agent reported it applied (``*_applied``
+    events): the one source of truth. Decisions never write here."""
 
     __tablename__ = "layer_precision"
 
@@ -305,6 +307,23 @@ class SqlLayerPrecision(Base):
     precision: Mapped[str] = mapped_column(String(8))
     since_step: Mapped[int] = mapped_column(BigInteger)
     action_id: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class SqlLoopQueue(Base):
+    """Stored batches the closed loop has not judged yet (migration 0003). Ingest inserts a row in
+    the batch's own transaction, under the rank's lock, so ids grow in each rank's write order;
+    the loop deletes the rows it judged in the transaction that stores its findings and
+    decisions, so every acknowledged batch is judged exactly once, even across a crash."""
+
+    __tablename__ = "loop_queue"
+    __table_args__ = (Index("ix_loop_queue_run", "run_pk", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_pk: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
 
 
 class SqlAlert(Base):

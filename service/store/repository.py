@@ -1,5 +1,6 @@
-"""``Store``: the one object the API and CLI talk to. It owns sessions and the translation of
-database errors; it takes and returns domain objects only."""
+"""``Store``: the one object the stages talk to for persistence. It owns sessions and the
+translation of database errors; it takes and returns domain objects only, and decides nothing:
+detection and policy live in ``service/loop``, which reads and writes through ``loop_pass``."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from fp8guard import wire
 from fp8guard.service.domain import (
+    ActionRecord,
     Batch,
+    CheckpointRecord,
     EventRecord,
+    FindingRecord,
     IngestResult,
+    PrecisionRecord,
     RunDetail,
     RunSpec,
     RunSummary,
@@ -28,11 +34,13 @@ from fp8guard.service.domain import (
     TensorSeries,
 )
 from fp8guard.service.errors import Conflict, InvalidPayload, ServiceError, StorageUnavailable
-from fp8guard.service.store import reader, writer
+from fp8guard.service.store import records
+from fp8guard.service.store import series_reader as reader
+from fp8guard.service.store import telemetry_writer as writer
 from fp8guard.service.store.engine import make_engine, verify_schema
-from fp8guard.service.store.guard import AlertHook, guard_batch, pending_commands
-from fp8guard.service.store.models import SqlRun
-from fp8guard.service.store.reader import Window
+from fp8guard.service.store.loop_state import LoopTxn
+from fp8guard.service.store.models import SqlLoopQueue, SqlRun
+from fp8guard.service.store.series_reader import Window
 
 __all__ = ["Store", "Window"]
 
@@ -48,12 +56,11 @@ class Store:
     >>> store.register_run(RunSpec(run_id="gpt-1"))   # doctest: +SKIP
     """
 
-    def __init__(self, engine: Engine, *, alert_hook: AlertHook | None = None) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cache = writer.WriteCache()
-        self.alert_hook = alert_hook or AlertHook()
-        self._locks_guard = threading.Lock()
-        self._detector_locks: dict[tuple[int, int], threading.Lock] = {}
+        self._write_lock = threading.Lock()
+        """The write cache's pending facts belong to one transaction at a time."""
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -115,33 +122,72 @@ class Store:
         return self.run(spec.run_id).summary, created
 
     def ingest(self, batch: Batch) -> IngestResult:
-        """Store a batch (one transaction), then run detection and policy over it (another),
-        then answer with the run's pending commands."""
-        now = datetime.now(UTC)
-        with self._session() as s:
-            result, run_pk, last_step = writer.ingest_batch(s.connection(), batch, now, self._cache)
-        self._cache.publish()  # only facts from a committed transaction
-        if result.duplicate:
-            return result
-        commands: list[dict[str, Any]] | None = None
-        if last_step is not None:
-            try:
-                with self._detector_lock(run_pk, batch.rank), self._session() as s:
-                    guard_batch(s.connection(), run_pk, batch, last_step, now, self.alert_hook, self._cache)
-                    commands = pending_commands(s.connection(), run_pk)
-                self._cache.publish()
-            except Exception:  # detection is derived data: never lose a stored batch over it
-                self._cache.pending.clear()
-                log.exception("fp8guard: detection failed for run %s batch %s", batch.run_id, batch.batch_id)
-        if commands is None:
-            with self._session() as s:
-                commands = pending_commands(s.connection(), run_pk)
-        return dataclasses.replace(result, commands=commands)
+        """Store one batch in its own transaction (with the run's pending commands)."""
+        result = self.ingest_many([batch])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def _detector_lock(self, run_pk: int, rank: int) -> threading.Lock:
-        """In-process order for one rank's detection (SQLite); PostgreSQL adds a row lock."""
-        with self._locks_guard:
-            return self._detector_locks.setdefault((run_pk, rank), threading.Lock())
+    def ingest_many(self, batches: Sequence[Batch]) -> list[IngestResult | ServiceError]:
+        """Group commit: store every batch in one transaction, each answered with the run's
+        pending commands. If the group fails, each batch is retried in a transaction of its
+        own, so one bad batch is refused alone and the others are stored."""
+        now = datetime.now(UTC)
+        # One lock order for every process: ranks are locked in (run, rank) order, never crosswise.
+        order = sorted(range(len(batches)), key=lambda i: (batches[i].run_id, batches[i].rank))
+        if len(batches) > 1:
+            try:
+                with self._write_lock:
+                    with self._session() as s:
+                        conn = s.connection()
+                        results = {i: self._write(conn, batches[i], now) for i in order}
+                    self._cache.publish()
+                return [results[i] for i in range(len(batches))]
+            except ServiceError:
+                self._cache.discard()
+        out: list[IngestResult | ServiceError] = []
+        for batch in batches:
+            try:
+                with self._write_lock:
+                    with self._session() as s:
+                        result = self._write(s.connection(), batch, now)
+                    self._cache.publish()
+                out.append(result)
+            except ServiceError as exc:
+                self._cache.discard()
+                out.append(exc)
+        return out
+
+    def _write(self, conn: sa.Connection, batch: Batch, now: datetime) -> IngestResult:
+        result, run_pk = writer.ingest_batch(conn, batch, now, self._cache)
+        return dataclasses.replace(result, commands=records.pending_commands(conn, run_pk))
+
+    def run_pk(self, run_id: str) -> int:
+        """The run's primary key (404 for an unknown run); cached once known."""
+        pk = self._cache.run_pks.get(run_id)
+        if pk is None:
+            with self._session() as s:
+                pk = reader.run_pk(s.connection(), run_id)
+        return pk
+
+    # -- the closed loop ----------------------------------------------------------------------
+
+    def loop_pass(self, run_pk: int, judge: Callable[[LoopTxn], T]) -> T:
+        """Run ``judge`` on the run's loop state in one transaction, under the run's loop lock."""
+        with self._session() as s:
+            txn = LoopTxn(s.connection(), run_pk, datetime.now(UTC))
+            txn.lock()
+            return judge(txn)
+
+    def queued_runs(self, limit: int = 1000) -> list[int]:
+        """Runs with stored batches the loop has not judged (a crash's or another process's)."""
+        with self._session() as s:
+            return [int(pk) for pk in s.scalars(sa.select(SqlLoopQueue.run_pk).distinct().limit(limit))]
+
+    def drop_queued(self, queue_ids: Sequence[int]) -> None:
+        """Give up on queued batches the loop cannot judge (logged by the caller)."""
+        with self._session() as s:
+            s.execute(sa.delete(SqlLoopQueue).where(SqlLoopQueue.id.in_(list(queue_ids))))
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -177,20 +223,31 @@ class Store:
         return self._for_run(run_id, lambda conn, pk: reader.event_list(conn, pk, kinds=kinds, start=start, end=end,
                                                                          limit=limit))
 
-    def findings(self, run_id: str) -> list[dict[str, Any]]:
-        return self._for_run(run_id, reader.finding_list)
+    def findings(self, run_id: str) -> list[FindingRecord]:
+        return self._for_run(run_id, records.finding_list)
 
-    def actions(self, run_id: str) -> list[dict[str, Any]]:
-        return self._for_run(run_id, reader.action_list)
+    def actions(self, run_id: str) -> list[ActionRecord]:
+        return self._for_run(run_id, records.action_list)
 
-    def precision(self, run_id: str) -> list[dict[str, Any]]:
-        return self._for_run(run_id, reader.precision_list)
+    def precision(self, run_id: str) -> list[PrecisionRecord]:
+        return self._for_run(run_id, records.precision_list)
 
-    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        return self._for_run(run_id, reader.checkpoint_list)
+    def checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        return self._for_run(run_id, records.checkpoint_list)
 
-    def commands(self, run_id: str) -> list[dict[str, Any]]:
-        return self._for_run(run_id, pending_commands)
+    def commands(self, run_id: str) -> list[wire.Command]:
+        return self._for_run(run_id, records.pending_commands)
+
+    def run_metrics(self, max_runs: int) -> tuple[list[records.RunMetrics], int]:
+        """Active runs' figures for ``/metrics`` (at most ``max_runs``) and the number of active runs."""
+        with self.engine.connect() as conn:
+            return records.active_run_metrics(conn, max_runs)
+
+    def outbox_backlog(self) -> dict[str, dict[str, int]]:
+        from fp8guard.service.store.outbox import backlog
+
+        with self.engine.connect() as conn:
+            return backlog(conn)
 
     def ping(self) -> None:
         with self._session() as s:

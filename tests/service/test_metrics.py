@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fp8guard.service.domain import IngestResult
-from fp8guard.service.metrics import AlertCollector, RunCollector, install_metrics
+from fp8guard.service.queries.metrics import AlertCollector, RunCollector, install_metrics
 from tests.helpers import batch, post, register
 
 STATS = ("amax", "saturation", "underflows")
@@ -148,14 +148,14 @@ def test_max_runs_truncates(mclient: Any) -> None:
     for i in range(3):
         register(mclient, f"t{i}")
     registry = CollectorRegistry()
-    registry.register(RunCollector(mclient.app.state.store.engine, max_runs=2))
+    registry.register(RunCollector(mclient.app.state.store, max_runs=2))
     s = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
          for fam in text_string_to_metric_families(generate_latest(registry).decode()) for smp in fam.samples}
     assert s[("fp8guard_runs_active", ())] == 3
     assert s[("fp8guard_runs_truncated", ())] == 1
     assert len([k for k in s if k[0] == "fp8guard_run_layers_bf16"]) == 2
     with pytest.raises(ValueError):
-        RunCollector(mclient.app.state.store.engine, max_runs=0)
+        RunCollector(mclient.app.state.store, max_runs=0)
 
 
 def test_install_twice_is_refused(mclient: Any) -> None:

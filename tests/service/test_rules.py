@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from fp8guard.service.detect import Detector, GuardConfig, RunView, TensorMeta, decide, promotions, rules
 from fp8guard.service.domain import StatBlock, StepRow
+from fp8guard.service.loop import Detector, GuardConfig, RunView, TensorMeta, decide, promotions, rules
 
 
 def test_block_growth_equals_step_by_step() -> None:
@@ -129,14 +129,14 @@ def test_policy_rollback_fallback_escalation_and_promotion() -> None:
     view = RunView(step=30, modules=["l0"], bf16={}, rollback_pending=False, known_good=[0, 10, 25],
                    recent_rollbacks=[])
     d = decide(spike, view, cfg)
-    assert d[0].kind == "rollback" and d[0].payload["checkpoint_step"] == 10
-    assert d[0].payload["skip_batches"] == 30 - 10 + 100
+    assert d[0].kind == "rollback" and d[0].checkpoint_step == 10
+    assert d[0].skip_batches == 30 - 10 + 100
     escalated = decide(spike, RunView(step=30, modules=["l0"], bf16={}, rollback_pending=False, known_good=[10],
                                       recent_rollbacks=[5, 20]), cfg)
-    assert [x.kind for x in escalated] == ["fallback", "page"] and escalated[0].payload["modules"] is None
+    assert [x.kind for x in escalated] == ["fallback", "page"] and escalated[0].modules is None and escalated[0].escalation
     promo = promotions(RunView(step=100, modules=["l0", "l1"], bf16={"l0": 40, "l1": 80}, rollback_pending=False,
                                known_good=[], recent_rollbacks=[], pinned=frozenset()), cfg)
-    assert promo[0].payload["modules"] == ["l0"]
+    assert promo[0].modules == ("l0",)
 
 
 @pytest.mark.parametrize("dry_run", [True, False])
@@ -171,7 +171,7 @@ def test_stale_scale_fires_after_a_single_outlier_pins_the_history() -> None:
     # the policy falls that module back to BF16 (its later re-promotion resets the FP8 state)
     d = decide(found, RunView(step=f.step, modules=["l0", "l1", "l2", "l3"], bf16={}, rollback_pending=False, known_good=[],
                               recent_rollbacks=[]), GuardConfig())
-    assert [(x.kind, x.payload["modules"]) for x in d] == [("fallback", ["l1"])]
+    assert [(x.kind, x.modules) for x in d] == [("fallback", ("l1",))]
 
 
 def test_stale_scale_quiet_on_healthy_decay_and_in_bf16() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from fp8guard.service.domain import RunSpec
 from fp8guard.service.errors import Conflict
-from fp8guard.service.ingest import decode_batch
+from fp8guard.service.ingest.decode import decode_batch
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.store import Store, Window
 from tests.helpers import batch, stat_values

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from fp8guard.service.detect import rules
-from fp8guard.service.detect.config import GuardConfig
-from fp8guard.service.detect.types import Finding, Severity
-from fp8guard.service.domain import StatBlock, StepRow
+from fp8guard.service.domain import Finding, StatBlock, StepRow
+from fp8guard.service.kinds import Rule, Severity
+from fp8guard.service.loop import rules
+from fp8guard.service.loop.config import GuardConfig
 
 __all__ = ["Detector", "TensorMeta"]
 
@@ -119,7 +119,7 @@ class Detector:
                if v is not None and not math.isfinite(v)}
         if bad and self._cool("nonfinite", step):
             what = " and ".join(f"{k} is {v}" for k, v in bad.items())
-            out.append(Finding(rule="nonfinite", severity=Severity.CRITICAL, step=step, onset_step=step,
+            out.append(Finding(rule=Rule.NONFINITE, severity=Severity.CRITICAL, step=step, onset_step=step,
                                explanation=f"At step {step} the {what}: the update is poisoned.",
                                evidence={k: str(v) for k, v in bad.items()}))
         for name, value, hist, z, rise in (("loss", row.loss, self.loss_hist, cfg.loss_z, cfg.loss_min_rise),
@@ -131,7 +131,7 @@ class Detector:
                 if self._cool(f"{name}_spike", step):
                     severity = Severity.CRITICAL if name == "loss" or spike.rise > 10 * rise else Severity.WARNING
                     out.append(Finding(
-                        rule=f"{name}_spike", severity=severity, step=step, onset_step=step,
+                        rule=Rule(f"{name}_spike"), severity=severity, step=step, onset_step=step,
                         explanation=(f"The {name.replace('_', ' ')} jumped to {value:.4g} at step {step}, "
                                      f"{spike.rise:.0%} above its recent median {spike.median:.4g} "
                                      f"(robust z = {spike.z:.1f})."),
@@ -153,7 +153,7 @@ class Detector:
         if not self._cool("inf_amax", step):
             return []
         names = [self.tensors[i].name for i in idx[:10].tolist()]
-        return [Finding(rule="inf_amax", severity=Severity.CRITICAL, step=step, onset_step=step,
+        return [Finding(rule=Rule.INF_AMAX, severity=Severity.CRITICAL, step=step, onset_step=step,
                         modules=self._modules(idx),
                         explanation=(f"{idx.size} tensor(s) recorded an infinite amax at step {step} "
                                      f"(e.g. {names[0]}), which freezes their scale for the whole amax history."),
@@ -172,7 +172,7 @@ class Detector:
         worst = idx[np.argmax(ratio[idx])]
         severity = Severity.CRITICAL if ratio[worst] > 16 * self.threshold[worst] else Severity.WARNING
         return [Finding(
-            rule="saturation", severity=severity, step=step, onset_step=step - cfg.saturation_steps + 1,
+            rule=Rule.SATURATION, severity=severity, step=step, onset_step=step - cfg.saturation_steps + 1,
             modules=self._modules(idx),
             explanation=(f"{idx.size} FP8 tensor(s) clipped for {cfg.saturation_steps}+ steps in a row; the worst, "
                          f"{self.tensors[worst].name}, had amax x scale at {ratio[worst]:.3g}x the FP8 maximum."),
@@ -199,7 +199,7 @@ class Detector:
         step, growth = int(steps[row]), growth_all[row]
         worst = idx[np.argmax(growth[idx])]
         return [Finding(
-            rule="amax_growth", severity=Severity.WARNING, step=step, onset_step=step - cfg.amax_growth_steps + 1,
+            rule=Rule.AMAX_GROWTH, severity=Severity.WARNING, step=step, onset_step=step - cfg.amax_growth_steps + 1,
             modules=self._modules(idx),
             explanation=(f"The amax of {idx.size} tensor(s) keeps climbing (outlier amplification): "
                          f"{self.tensors[worst].name} runs {2 ** float(growth[worst]):.1f}x above its long-run level."),
@@ -224,7 +224,7 @@ class Detector:
         ratio = hist_max[row, idx] / amax[row, idx]
         worst = idx[int(np.argmax(ratio))]
         return [Finding(
-            rule="stale_scale", severity=Severity.WARNING, step=step, onset_step=step - cfg.stale_scale_steps + 1,
+            rule=Rule.STALE_SCALE, severity=Severity.WARNING, step=step, onset_step=step - cfg.stale_scale_steps + 1,
             modules=self._modules(idx),
             explanation=(f"The FP8 scale of {idx.size} tensor(s) is pinned by a past outlier: for "
                          f"{cfg.stale_scale_steps}+ steps the amax history held {float(ratio.max()):.3g}x the current "
@@ -245,7 +245,7 @@ class Detector:
             return []
         worst = idx[np.argmax(under[idx])]
         return [Finding(
-            rule="underflow_growth", severity=Severity.WARNING, step=step, onset_step=step,
+            rule=Rule.UNDERFLOW_GROWTH, severity=Severity.WARNING, step=step, onset_step=step,
             modules=self._modules(idx),
             explanation=(f"Values flushed to zero grew in {idx.size} tensor(s); {self.tensors[worst].name} lost "
                          f"{under[worst]:.0f} nonzero values, {under[worst] / max(base[worst], 1):.0f}x its baseline."),

@@ -327,38 +327,3 @@ def event_list(
     rows = conn.execute(query.order_by(SqlEvent.id).limit(limit))
     return [EventRecord(id=r.id, kind=r.kind, step=r.step, time=r.time, rank=r.rank, segment=r.segment,
                         data=r.data or {}) for r in rows]
-
-
-def finding_list(conn: sa.Connection, pk: int, *, limit: int = 1000) -> list[dict[str, Any]]:
-    from fp8guard.service.store.models import SqlFinding
-
-    rows = conn.execute(sa.select(SqlFinding).where(SqlFinding.run_pk == pk).order_by(SqlFinding.id).limit(limit))
-    return [{"id": r.id, "rank": r.rank, "segment": r.segment, "step": r.step, "onset_step": r.onset_step,
-             "rule": r.rule, "severity": r.severity, "explanation": r.explanation, "modules": r.modules,
-             "evidence": r.evidence} for r in rows]
-
-
-def action_list(conn: sa.Connection, pk: int, *, limit: int = 1000) -> list[dict[str, Any]]:
-    from fp8guard.service.store.models import SqlAction
-
-    rows = conn.execute(sa.select(SqlAction).where(SqlAction.run_pk == pk).order_by(SqlAction.id).limit(limit))
-    return [{"id": r.id, "kind": r.kind, "status": r.status, "step": r.step, "reason": r.reason,
-             "payload": r.payload, "finding_ids": r.finding_ids, "applied_step": r.applied_step,
-             "error": r.error} for r in rows]
-
-
-def precision_list(conn: sa.Connection, pk: int) -> list[dict[str, Any]]:
-    from fp8guard.service.store.models import SqlLayerPrecision
-
-    rows = conn.execute(sa.select(SqlLayerPrecision).where(SqlLayerPrecision.run_pk == pk)
-                        .order_by(SqlLayerPrecision.module))
-    return [{"module": r.module, "precision": r.precision, "since_step": r.since_step} for r in rows]
-
-
-def checkpoint_list(conn: sa.Connection, pk: int) -> list[dict[str, Any]]:
-    from fp8guard.service.store.models import SqlCheckpoint
-
-    rows = conn.execute(sa.select(SqlCheckpoint).where(SqlCheckpoint.run_pk == pk)
-                        .order_by(SqlCheckpoint.segment, SqlCheckpoint.step))
-    return [{"rank": r.rank, "segment": r.segment, "step": r.step, "path": r.path, "known_good": r.known_good}
-            for r in rows]

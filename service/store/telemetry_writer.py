@@ -1,10 +1,15 @@
-"""The ingest path: one batch, one transaction, stored completely or not at all.
+"""The ingest path: one batch stored completely or not at all, in the caller's transaction.
 
 Order inside the transaction matters:
 1. the batch id is inserted first, so a retried (or concurrently duplicated) batch stops here;
 2. the (run, rank) progress row is updated next; its row lock serialises writers of one rank
    across service processes sharing PostgreSQL, which keeps the roll-up read-modify-write safe;
-3. tensor and stat tables, scalars, raw stat rows (COPY on PostgreSQL), roll-ups, events.
+3. tensor and stat tables, scalars, raw stat rows (COPY on PostgreSQL), roll-ups, events;
+4. what the agent reported as fact (acknowledged commands, saved checkpoints, precision it
+   applied): data, stored with the batch that carries it;
+5. the batch's row in the closed loop's queue, so the loop judges it exactly once.
+
+Nothing here decides anything: detection and policy run later, in the loop (``service/loop``).
 """
 
 from __future__ import annotations
@@ -20,13 +25,18 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from fp8guard import wire
 from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, TensorInfo
 from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
+from fp8guard.service.kinds import ActionStatus, Precision
 from fp8guard.service.store import buckets
-from fp8guard.service.store.guard import apply_events, pending_commands
 from fp8guard.service.store.models import (
+    SqlAction,
     SqlBatch,
+    SqlCheckpoint,
     SqlEvent,
+    SqlLayerPrecision,
+    SqlLoopQueue,
     SqlRun,
     SqlRunRank,
     SqlSegment,
@@ -51,13 +61,21 @@ class WriteCache:
     run_pks: dict[str, int] = field(default_factory=dict)
     stat_ids: dict[tuple[int, str], int] = field(default_factory=dict)
     tensors_defined: dict[int, int] = field(default_factory=dict)
-    metas: dict[tuple[int, int], Any] = field(default_factory=dict)
-    """(run, number of tensors) -> the detector's tensor descriptions."""
     tails: OrderedDict[tuple[int, int], RollupTail] = field(default_factory=OrderedDict)
     """Per (run, rank): the newest roll-up rows this process wrote, valid only while the
     rank's ``batches`` counter shows no other process wrote since (checked under the row lock)."""
     max_tails: int = 256
     pending: list[tuple[str, Any, Any]] = field(default_factory=list)
+    staged_tails: dict[tuple[int, int], RollupTail] = field(default_factory=dict)
+    """Tails written earlier in the current (group) transaction: visible to its later batches only."""
+
+    def tail(self, key: tuple[int, int]) -> RollupTail | None:
+        return self.staged_tails.get(key) or self.tails.get(key)
+
+    def discard(self) -> None:
+        """Forget what a rolled-back transaction learnt."""
+        self.pending.clear()
+        self.staged_tails.clear()
 
     def publish(self) -> None:
         for kind, key, value in self.pending:
@@ -70,6 +88,7 @@ class WriteCache:
             table: dict[Any, Any] = getattr(self, kind)
             table[key] = max(value, table.get(key, value)) if kind == "tensors_defined" else value
         self.pending.clear()
+        self.staged_tails.clear()
 
 
 @dataclass
@@ -86,17 +105,13 @@ def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
 
-def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteCache) -> tuple[IngestResult, int, int | None]:
-    """Store the batch; returns (result, run primary key, last step of the batch or None).
-
-    Detection runs afterwards in its own transaction (``guard.guard_batch``): it is derived
-    data, and keeping it out of this one keeps the rank's row lock short."""
-    cache.pending.clear()
+def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteCache) -> tuple[IngestResult, int]:
+    """Store the batch in the caller's transaction; returns (result, run primary key)."""
     run_pk = cache.run_pks.get(batch.run_id)
     if run_pk is None:
         run_pk = conn.scalar(sa.select(SqlRun.id).where(SqlRun.run_id == batch.run_id))
         if run_pk is not None:
-            cache.run_pks[batch.run_id] = run_pk  # registration committed before we could see it
+            cache.pending.append(("run_pks", batch.run_id, run_pk))
     if run_pk is None:
         raise NotFound(
             f"run {batch.run_id!r} is not registered; register it first with PUT /v1/runs/{batch.run_id}",
@@ -112,8 +127,7 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
         .returning(SqlBatch.rank)  # rowcount is not portable for INSERT .. ON CONFLICT
     ).first() is not None
     if not accepted:
-        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0,
-                            commands=pending_commands(conn, run_pk)), run_pk, None
+        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0, run_pk=run_pk), run_pk
 
     progress = _lock_rank(conn, run_pk, batch.rank, now)
     first_step, last_step = _step_range(batch)
@@ -122,18 +136,24 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
     _check_tensor_coverage(conn, run_pk, batch.blocks, cache)
     stat_ids = _stat_ids(conn, run_pk, {name for b in batch.blocks for name in b.stats}, cache)
     _write_steps(conn, run_pk, batch, overlap=overlap)
-    tail = cache.tails.get((run_pk, batch.rank))
+    tail = cache.tail((run_pk, batch.rank))
     if tail is not None and (tail.batches != progress.batches - 1 or tail.segment != batch.segment):
         tail = None  # another process wrote this rank meanwhile, or a new segment began
     new_tail = RollupTail(batches=progress.batches, segment=batch.segment, last=dict(tail.last) if tail else {})
     for block in batch.blocks:
         _write_block(conn, run_pk, batch, block, stat_ids, overlap=overlap, tail=tail, new_tail=new_tail)
     cache.pending.append(("tails", (run_pk, batch.rank), new_tail))
+    cache.staged_tails[(run_pk, batch.rank)] = new_tail
     _write_events(conn, run_pk, batch)
     _update_progress(conn, run_pk, batch, progress, last_step, samples)
-    apply_events(conn, run_pk, batch, now)  # acks, checkpoints, precision changes: data, stored with it
-    return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples), \
-        run_pk, last_step
+    _record_agent_facts(conn, run_pk, batch, now)
+    queue_id = None
+    if first_step is not None and last_step is not None:
+        queue_id = int(conn.execute(sa.insert(SqlLoopQueue).values(
+            run_pk=run_pk, rank=batch.rank, segment=batch.segment, first_step=first_step, last_step=last_step)
+            .returning(SqlLoopQueue.id)).scalar_one())
+    return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples,
+                        queue_id=queue_id, run_pk=run_pk), run_pk
 
 
 def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Any:
@@ -447,3 +467,48 @@ def _update_progress(
     conn.execute(
         sa.update(SqlRunRank).where(SqlRunRank.run_pk == run_pk, SqlRunRank.rank == batch.rank).values(**values)
     )
+
+
+def _record_agent_facts(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime) -> None:
+    """Acknowledged commands, saved checkpoints and applied precision changes, as the agent
+    reported them. ``layer_precision`` is written here only: a module is BF16 once the agent
+    says it applied the switch, never because a command is pending."""
+    for e in batch.events:
+        data: dict[str, Any] = e.data or {}
+        if e.kind == wire.EventKind.COMMAND_ACKNOWLEDGED:
+            ack = wire.CommandAck.from_json(data)  # validated at the door already
+            conn.execute(sa.update(SqlAction).where(
+                SqlAction.run_pk == run_pk, SqlAction.id == ack.command_id,
+                SqlAction.status.in_((ActionStatus.PENDING, ActionStatus.RECOMMENDED)))
+                .values(status=ActionStatus(ack.status.value), applied_step=ack.applied_step or e.step, applied_at=now,
+                        error=ack.error[:1024] if ack.error else None))
+        elif e.kind == wire.EventKind.CHECKPOINT_SAVED and e.step is not None:
+            conn.execute(upsert_insert(conn)(SqlCheckpoint).values(
+                run_pk=run_pk, rank=batch.rank, segment=batch.segment, step=e.step,
+                path=str(data.get("path"))[:1024] if data.get("path") else None,
+                known_good=bool(data.get("known_good", False)), created_at=now).on_conflict_do_nothing())
+        elif e.kind in (wire.EventKind.FALLBACK_APPLIED, wire.EventKind.PROMOTION_APPLIED) and e.step is not None:
+            modules = data.get("modules")
+            if not modules:
+                modules = sorted({r.module or r.name.split(":")[0] for r in conn.execute(
+                    sa.select(SqlTensor.name, SqlTensor.module).where(SqlTensor.run_pk == run_pk))})
+            command_id = data.get("command_id") if isinstance(data.get("command_id"), int) else None
+            precision = Precision.FP8
+            if e.kind == wire.EventKind.FALLBACK_APPLIED:
+                details = conn.scalar(sa.select(SqlAction.payload).where(
+                    SqlAction.run_pk == run_pk, SqlAction.id == command_id)) if command_id is not None else None
+                precision = Precision.PINNED if (details or {}).get("escalation") else Precision.BF16
+            _set_precision(conn, run_pk, [str(m) for m in modules], precision, e.step, command_id)
+
+
+def _set_precision(conn: sa.Connection, run_pk: int, modules: Sequence[str], precision: Precision, step: int,
+                   action_id: int | None) -> None:
+    if not modules:
+        return
+    stmt = upsert_insert(conn)(SqlLayerPrecision)
+    stmt = stmt.on_conflict_do_update(index_elements=["run_pk", "module"],
+                                      set_={"precision": stmt.excluded.precision,
+                                            "since_step": stmt.excluded.since_step,
+                                            "action_id": stmt.excluded.action_id})
+    conn.execute(stmt, [{"run_pk": run_pk, "module": m, "precision": str(precision), "since_step": step,
+                         "action_id": action_id} for m in modules])

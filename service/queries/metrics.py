@@ -19,13 +19,10 @@ multiprocess mode (see docs/metrics.md).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import sqlalchemy as sa
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -35,29 +32,21 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fp8guard.service.store.models import (
-    SqlAction,
-    SqlFinding,
-    SqlLayerPrecision,
-    SqlRun,
-    SqlRunRank,
-    SqlStat,
-    SqlTensorSeries,
-)
+from fp8guard.service.errors import StorageUnavailable
+from fp8guard.service.kinds import ActionKind
+from fp8guard.service.store.records import RunMetrics
 
-__all__ = ["ACTION_KINDS", "AlertCollector", "IngestMetrics", "RunCollector", "install_metrics"]
+__all__ = ["ACTION_KINDS", "AlertCollector", "IngestMetrics", "LoopCollector", "RunCollector", "install_metrics"]
 
 log = logging.getLogger(__name__)
 
-ACTION_KINDS = ("fallback", "promote", "rollback", "page", "alert")
+ACTION_KINDS = tuple(str(k) for k in ActionKind)
 """The ``kind`` values of ``fp8guard_run_actions_total``; a fixed set bounds the label."""
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _UNMATCHED = "unmatched"
 _INGEST_ROUTE = "/v1/ingest"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_SATURATION_STAT = "saturation"
-_UNDERFLOW_STAT = "underflows"
 
 
 class _IngestResult(Protocol):
@@ -76,9 +65,47 @@ class _AlertStats(Protocol):
     def backlog(self) -> dict[str, dict[str, int]]: ...
 
 
-class _HasEngine(Protocol):
+class _RunMetricsSource(Protocol):
+    """What the collectors need of ``Store``."""
+
     @property
     def engine(self) -> sa.Engine: ...
+
+    def run_metrics(self, max_runs: int) -> tuple[list[RunMetrics], int]: ...
+
+
+class _LoopStats(Protocol):
+    passes: int
+    batches: int
+    commands: int
+    failures: int
+    dropped: int
+    seconds: float
+
+
+class LoopCollector(Collector):
+    """The closed loop's counters (kept by the loop worker) and the ingest group commits."""
+
+    def __init__(self, stats: _LoopStats, committer: Any | None = None) -> None:
+        self._stats = stats
+        self._committer = committer
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats
+        yield CounterMetricFamily("fp8guard_loop_passes", "Closed-loop passes over a run.", value=s.passes)
+        yield CounterMetricFamily("fp8guard_loop_batches", "Stored batches the closed loop judged.", value=s.batches)
+        yield CounterMetricFamily("fp8guard_loop_commands", "Commands the closed loop issued.", value=s.commands)
+        yield CounterMetricFamily("fp8guard_loop_failures", "Closed-loop passes that failed (retried).",
+                                  value=s.failures)
+        yield CounterMetricFamily("fp8guard_loop_dropped", "Batches the closed loop could not judge (a bug: logged).",
+                                  value=s.dropped)
+        yield CounterMetricFamily("fp8guard_loop_seconds", "Time spent in closed-loop passes.", value=s.seconds)
+        if self._committer is not None:
+            yield CounterMetricFamily("fp8guard_ingest_commits", "Ingest transactions (group commits).",
+                                      value=self._committer.groups)
 
 
 class IngestMetrics:
@@ -165,33 +192,14 @@ class _HttpMetrics:
             self.ingest.reject()
 
 
-@dataclass(slots=True)
-class _RunRow:
-    pk: int
-    run_id: str
-    last_step: int | None = None
-    last_loss: float | None = None
-    layers_bf16: int = 0
-    findings: int = 0
-    rollbacks: int = 0
-    actions: dict[str, int] = field(default_factory=dict)
-    worst_saturation: float | None = None
-    saturating: int | None = None
-    underflowing: int | None = None
-
-
 class RunCollector(Collector):
-    """Per-run gauges read from the database at scrape time, for active (``running``) runs only.
+    """Per-run gauges read from the database at scrape time, for active (``running``) runs only
+    (two queries per scrape whatever the number of runs: ``store.records.active_run_metrics``)."""
 
-    Two queries per scrape whatever the number of runs: one row per run with its scalars and
-    counts (correlated sub-selects), then the latest level-1 ``saturation`` and ``underflows``
-    rows of rank 0, found through the primary key, so the cost does not grow with run length.
-    """
-
-    def __init__(self, engine: sa.Engine, *, max_runs: int = 100) -> None:
+    def __init__(self, store: _RunMetricsSource, *, max_runs: int = 100) -> None:
         if max_runs < 1:
             raise ValueError(f"max_runs must be at least 1, got {max_runs}")
-        self._engine = engine
+        self._store = store
         self._max_runs = max_runs
 
     def describe(self) -> Iterable[Metric]:
@@ -200,74 +208,14 @@ class RunCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         try:
-            with self._engine.connect() as conn:
-                runs, active = self._runs(conn)
-                self._latest_stats(conn, runs)
-        except sa.exc.SQLAlchemyError:
+            runs, active = self._store.run_metrics(self._max_runs)
+        except (sa.exc.SQLAlchemyError, StorageUnavailable):
             log.warning("metrics: reading runs from the database failed", exc_info=True)
             return []  # the handle_error listener has counted it; a scrape still answers
         return list(self._families(runs, active, max(0, active - len(runs))))
 
-    def _runs(self, conn: sa.Connection) -> tuple[list[_RunRow], int]:
-        pk = SqlRun.id
-        running = SqlRun.status == "running"
-        active = int(conn.scalar(sa.select(sa.func.count()).select_from(SqlRun).where(running)) or 0)
-
-        def count(model: Any, *where: Any) -> Any:
-            return sa.select(sa.func.count()).select_from(model).where(model.run_pk == pk, *where).scalar_subquery()
-
-        rank0 = sa.orm.aliased(SqlRunRank)
-        cols: list[Any] = [
-            pk, SqlRun.run_id,
-            sa.select(sa.func.max(SqlRunRank.last_step)).where(SqlRunRank.run_pk == pk).scalar_subquery(),
-            rank0.last_loss, rank0.last_loss_nan,
-            count(SqlLayerPrecision, SqlLayerPrecision.precision.in_(("bf16", "pinned"))),
-            count(SqlFinding),
-            # Rollbacks the service decided and did not see fail (dry-run recommendations excluded).
-            count(SqlAction, SqlAction.kind == "rollback", SqlAction.status.in_(("pending", "applied"))),
-            *(count(SqlAction, SqlAction.kind == kind) for kind in ACTION_KINDS),
-        ]
-        query = (sa.select(*cols).outerjoin(rank0, (rank0.run_pk == pk) & (rank0.rank == 0)).where(running)
-                 .order_by(SqlRun.updated_at.desc(), pk.desc()).limit(self._max_runs))
-        runs = []
-        for row in conn.execute(query):
-            loss = math.nan if row[4] else (float(row[3]) if row[3] is not None else None)
-            runs.append(_RunRow(
-                pk=int(row[0]), run_id=str(row[1]), last_step=None if row[2] is None else int(row[2]),
-                last_loss=loss, layers_bf16=int(row[5] or 0), findings=int(row[6] or 0), rollbacks=int(row[7] or 0),
-                actions={kind: int(row[8 + i] or 0) for i, kind in enumerate(ACTION_KINDS)},
-            ))
-        return runs, active
-
-    def _latest_stats(self, conn: sa.Connection, runs: list[_RunRow]) -> None:
-        if not runs:
-            return
-        by_pk = {r.pk: r for r in runs}
-        ts = SqlTensorSeries
-        rank0 = sa.orm.aliased(SqlRunRank)
-        # Rank 0's newest segment holds its newest steps (a rollback starts a new segment).
-        key = ((ts.run_pk == SqlStat.run_pk) & (ts.rank == 0) & (ts.segment == rank0.last_segment)
-               & (ts.stat_id == SqlStat.id) & (ts.level == 1))
-        newest = sa.select(sa.func.max(ts.block)).where(key).correlate(SqlStat, rank0).scalar_subquery()
-        query = (
-            sa.select(SqlStat.run_pk, SqlStat.name, ts.data)
-            .join(rank0, (rank0.run_pk == SqlStat.run_pk) & (rank0.rank == 0))
-            .join(ts, key & (ts.block == newest))
-            .where(SqlStat.run_pk.in_(list(by_pk)), SqlStat.name.in_((_SATURATION_STAT, _UNDERFLOW_STAT)))
-        )
-        for run_pk, name, data in conn.execute(query):
-            values = np.frombuffer(bytes(data), dtype="<f4")
-            values = values[~np.isnan(values)]
-            run = by_pk[int(run_pk)]
-            if name == _SATURATION_STAT:
-                run.saturating = int(np.count_nonzero(values > 1.0))
-                if values.size:
-                    run.worst_saturation = float(np.max(values))
-            else:
-                run.underflowing = int(np.count_nonzero(values > 0))
-
     @staticmethod
-    def _families(runs: list[_RunRow], active: int, truncated: int) -> Iterator[Metric]:
+    def _families(runs: list[RunMetrics], active: int, truncated: int) -> Iterator[Metric]:
         def gauge(name: str, doc: str, pick: Any) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["run"])
             for r in runs:
@@ -302,8 +250,8 @@ class RunCollector(Collector):
         actions = CounterMetricFamily("fp8guard_run_actions", "Policy actions by kind, any status.",
                                       labels=["run", "kind"])
         for r in runs:
-            for kind in ACTION_KINDS:
-                actions.add_metric([r.run_id, kind], float(r.actions.get(kind, 0)))
+            for kind in ActionKind:
+                actions.add_metric([r.run_id, str(kind)], float(r.actions.get(kind, 0)))
         yield actions
 
 
@@ -343,7 +291,7 @@ class AlertCollector(Collector):
         yield outbox
 
 
-def install_metrics(app: FastAPI, store: _HasEngine, *, max_runs: int = 100) -> None:
+def install_metrics(app: FastAPI, store: _RunMetricsSource, *, max_runs: int = 100) -> None:
     """Add ``GET /metrics`` and the request middleware to ``app``.
 
     ``app.state.metrics`` becomes the ``IngestMetrics`` the ingest route reports to, and
@@ -360,10 +308,13 @@ def install_metrics(app: FastAPI, store: _HasEngine, *, max_runs: int = 100) -> 
                        ["route", "method", "code"], registry=registry)
     duration = Histogram("fp8guard_http_request_duration_seconds", "HTTP request latency by route template.",
                          ["route"], buckets=_LATENCY_BUCKETS, registry=registry)
-    registry.register(RunCollector(store.engine, max_runs=max_runs))
+    registry.register(RunCollector(store, max_runs=max_runs))
     alerts = getattr(app.state, "alerts", None)
     if alerts is not None:
         registry.register(AlertCollector(alerts))
+    loop = getattr(app.state, "loop", None)
+    if loop is not None:
+        registry.register(LoopCollector(loop.stats, getattr(app.state, "committer", None)))
 
     def on_db_error(context: sa.engine.ExceptionContext) -> None:
         ingest.database_error(context.sqlalchemy_exception or context.original_exception)

@@ -1,23 +1,22 @@
-"""Runs: register/resume, list, detail, and the downsampled series the dashboards draw."""
+"""Queries of runs: list, detail, and the downsampled series and events the dashboards draw."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pybase64
-from fastapi import APIRouter, Path, Query, Response, status
+from fastapi import APIRouter, Path, Query, Response
 
 from fp8guard import wire
 from fp8guard.service.deps import SettingsDep, StoreDep
-from fp8guard.service.domain import RunDetail, RunSpec, RunSummary, TensorInfo
+from fp8guard.service.domain import RunDetail, RunSummary, TensorInfo
 from fp8guard.service.errors import InvalidPayload
 from fp8guard.service.schemas import (
     EventOut,
     RankOut,
     RunDetailOut,
-    RunIn,
     RunOut,
     ScalarSeriesOut,
     TensorMatrixOut,
@@ -26,7 +25,7 @@ from fp8guard.service.schemas import (
 )
 from fp8guard.service.store import Window
 
-__all__ = ["router"]
+__all__ = ["RunId", "router", "run_out"]
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -47,7 +46,7 @@ def _window(settings_max: int, rank: int, start: int | None, end: int | None, wi
     return Window(rank=rank, start=start, end=end, width=width, segment=segment)
 
 
-def _run_out(run: RunSummary) -> RunOut:
+def run_out(run: RunSummary) -> RunOut:
     return RunOut(run_id=run.run_id, model=run.model, status=run.status, world_size=run.world_size,
                   created_at=run.created_at, updated_at=run.updated_at, last_step=run.last_step,
                   last_loss=run.last_loss, samples=run.samples)
@@ -55,7 +54,7 @@ def _run_out(run: RunSummary) -> RunOut:
 
 def _detail_out(d: RunDetail) -> RunDetailOut:
     return RunDetailOut(
-        **_run_out(d.summary).model_dump(), recipe=d.recipe, config=d.config, num_tensors=d.num_tensors,
+        **run_out(d.summary).model_dump(), recipe=d.recipe, config=d.config, num_tensors=d.num_tensors,
         stats=d.stats,
         ranks=[RankOut(rank=r.rank, last_step=r.last_step, last_segment=r.last_segment, last_time=r.last_time,
                        last_loss=r.last_loss, batches=r.batches, samples=r.samples) for r in d.ranks],
@@ -67,16 +66,6 @@ def _tensor_out(t: TensorInfo) -> TensorOut:
                      first_step=t.first_step)
 
 
-@router.put("/{run_id}", response_model=RunOut, summary="Register a run, or resume it",
-            responses={201: {"model": RunOut, "description": "Created"}, 200: {"description": "Resumed"}})
-def register_run(run_id: RunId, body: RunIn, store: StoreDep, response: Response) -> RunOut:
-    """Idempotent: every rank may call it; the first creates the run, later calls resume it."""
-    run, created = store.register_run(RunSpec(run_id=run_id, model=body.model, recipe=body.recipe,
-                                              world_size=body.world_size, config=body.config, guard=body.guard))
-    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-    return _run_out(run)
-
-
 @router.get("", response_model=list[RunOut], summary="List runs, newest activity first")
 def list_runs(
     store: StoreDep,
@@ -85,7 +74,7 @@ def list_runs(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> list[RunOut]:
-    return [_run_out(r) for r in store.runs(status=run_status, search=q, limit=limit, offset=offset)]
+    return [run_out(r) for r in store.runs(status=run_status, search=q, limit=limit, offset=offset)]
 
 
 @router.get("/{run_id}", response_model=RunDetailOut, summary="One run with per-rank progress")
@@ -172,28 +161,3 @@ def events(
     kinds = [str(k) for k in kind or ()]
     return [EventOut(id=e.id or 0, kind=e.kind, step=e.step, time=e.time, rank=e.rank, segment=e.segment,
                      data=e.data) for e in store.events(run_id, kinds=kinds, start=start, end=end, limit=limit)]
-
-
-@router.get("/{run_id}/findings", summary="What detection saw: rule, severity, evidence, explanation")
-def findings(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
-    return store.findings(run_id)
-
-
-@router.get("/{run_id}/actions", summary="Every policy decision with its reason and status")
-def actions(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
-    return store.actions(run_id)
-
-
-@router.get("/{run_id}/commands", summary="Pending remediation commands (also sent with every ingest answer)")
-def commands(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
-    return store.commands(run_id)
-
-
-@router.get("/{run_id}/precision", summary="Each FP8 module's current precision and since when")
-def precision(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
-    return store.precision(run_id)
-
-
-@router.get("/{run_id}/checkpoints", summary="Checkpoints the agent reported, with known-good marks")
-def checkpoints(run_id: RunId, store: StoreDep) -> list[dict[str, Any]]:
-    return store.checkpoints(run_id)

@@ -1,0 +1,102 @@
+"""``Committer``: group commit for the ingest path.
+
+Requests hand their decoded batch to ``submit`` and wait; one writer thread takes everything
+waiting (up to ``max_batches`` batches or ``max_samples`` samples) and stores it in one
+transaction, so under many agents the database commits (and, on PostgreSQL, flushes its WAL)
+once per group instead of once per request. A request is answered only after the transaction
+holding its batch committed: nothing is acknowledged that is not durable. A batch that cannot be
+stored fails alone (the store retries a failed group batch by batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from fp8guard.service.domain import Batch, IngestResult
+from fp8guard.service.errors import ServiceError, StorageUnavailable
+from fp8guard.service.store import Store
+
+__all__ = ["Committer"]
+
+log = logging.getLogger(__name__)
+
+
+class Committer:
+    def __init__(self, store: Store, *, max_batches: int = 64, max_samples: int = 2_000_000,
+                 on_stored: Callable[[Batch, IngestResult], None] | None = None) -> None:
+        self.store = store
+        self.max_batches = max_batches
+        self.max_samples = max_samples
+        self.on_stored = on_stored or (lambda batch, result: None)
+        self.groups = 0
+        self.grouped = 0
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Batch, Future[IngestResult]]] = deque()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="fp8guard-ingest", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Store what is queued, then stop."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    async def submit(self, batch: Batch) -> IngestResult:
+        """Store ``batch`` (with whatever else is waiting); raises the batch's ServiceError."""
+        future: Future[IngestResult] = Future()
+        with self._cv:
+            if self._stop or self._thread is None:
+                raise StorageUnavailable("the service is shutting down; retry with the same batch_id")
+            self._queue.append((batch, future))
+            self._cv.notify()
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                group = [self._queue.popleft()]
+                samples = group[0][0].num_samples
+                while self._queue and len(group) < self.max_batches:
+                    nxt = self._queue[0][0].num_samples
+                    if samples + nxt > self.max_samples:
+                        break
+                    group.append(self._queue.popleft())
+                    samples += nxt
+            self._store(group)
+
+    def _store(self, group: list[tuple[Batch, Future[IngestResult]]]) -> None:
+        try:
+            results = self.store.ingest_many([b for b, _ in group])
+        except Exception as exc:  # never leave a request waiting forever
+            log.exception("fp8guard ingest: storing a group of %d batches failed", len(group))
+            results = [exc if isinstance(exc, ServiceError) else StorageUnavailable(f"storing failed: {exc}")
+                       for _ in group]
+        self.groups += 1
+        self.grouped += len(group)
+        for (batch, future), result in zip(group, results, strict=True):
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+                continue
+            try:
+                self.on_stored(batch, result)
+            except Exception:  # the loop's sweep still finds the batch in the queue
+                log.exception("fp8guard ingest: handing batch %s to the loop failed", batch.batch_id)
+            future.set_result(result)

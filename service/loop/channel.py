@@ -1,0 +1,59 @@
+"""``CommandChannel``: wakes the long-polls of ``GET /v1/runs/{run_id}/commands?wait=S`` the
+moment the loop issues a command for their run.
+
+The loop runs in threads, the long-polls are coroutines on the app's event loop: ``notify`` may be
+called from any thread and hands over with ``call_soon_threadsafe``. Waiters hold no thread while
+they wait. A command issued by another service process is not notified here; the long-poll also
+re-reads the database every ``Settings.command_poll_interval_s``, which bounds its delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+__all__ = ["CommandChannel"]
+
+
+class CommandChannel:
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._events: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, int] = {}
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Called once the app's event loop runs (in the lifespan)."""
+        self._loop = loop
+
+    def notify(self, run_id: str) -> None:
+        """A command for ``run_id`` was committed (any thread)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
+                loop.call_soon_threadsafe(self._fire, run_id)
+
+    def _fire(self, run_id: str) -> None:
+        event = self._events.pop(run_id, None)
+        if event is not None:
+            event.set()
+
+    async def wait(self, run_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a notification about ``run_id``; True if one came."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        event = self._events.setdefault(run_id, asyncio.Event())
+        self._waiters[run_id] = self._waiters.get(run_id, 0) + 1
+        try:
+            async with asyncio.timeout(max(0.0, timeout)):
+                await event.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            left = self._waiters[run_id] - 1
+            if left:
+                self._waiters[run_id] = left
+            else:
+                del self._waiters[run_id]
+                if self._events.get(run_id) is event:
+                    del self._events[run_id]

@@ -1,0 +1,135 @@
+"""One pass of the closed loop over one run: the detector over each queued batch in its rank's
+write order, the policy over what it found, and the decisions and alerts to store.
+
+Detection and policy are pure (``detector``, ``policy``); this module only sequences them over
+``LoopTxn``, the store's unit of work, which holds the run's loop lock. Decisions are taken
+batch by batch against the run's situation as stored so far (earlier decisions of the same pass
+included), so a second rank's report of the same incident finds the first decision pending and
+orders nothing new: one decision per incident per run, whatever the number of ranks or
+service processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fp8guard.service.alerts.config import AlertSettings
+from fp8guard.service.alerts.from_decisions import alert_rows
+from fp8guard.service.domain import Batch, Decision, QueuedBatch
+from fp8guard.service.kinds import ActionKind, ActionStatus, Precision
+from fp8guard.service.loop.config import GuardConfig
+from fp8guard.service.loop.detector import Detector, TensorMeta
+from fp8guard.service.loop.policy import RunView, decide, promotions
+from fp8guard.service.store.loop_state import LoopTxn, TensorRow
+
+__all__ = ["Judge", "PassResult", "tensor_metas"]
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    run_id: str
+    judged: int
+    """Queued batches judged in this pass."""
+    commands: int
+    """Commands issued (pending for the agent)."""
+    more: bool
+    """The pass stopped at its limit: more batches wait."""
+
+
+def tensor_metas(rows: Sequence[TensorRow]) -> list[TensorMeta]:
+    return [TensorMeta(name=r.name, module=r.module or r.name.split(":")[0],
+                       backward=(r.role or "").startswith("bwd") or (r.fp8_format or "") == "e5m2") for r in rows]
+
+
+class Judge:
+    """Judges runs; safe to share between loop threads (one run is judged by one thread at a time)."""
+
+    def __init__(self, alerts: AlertSettings, *, batch_limit: int = 256) -> None:
+        self.alerts = alerts
+        self.batch_limit = batch_limit
+        self._metas: dict[tuple[int, int], list[TensorMeta]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, txn: LoopTxn, take: Callable[[int], Batch | None], *, limit: int | None = None) -> PassResult:
+        """Judge up to ``limit`` queued batches of ``txn``'s run; ``take(queue_id)`` hands over a
+        batch this process still holds in memory (else it is read back from the database)."""
+        queued = txn.queued(limit or self.batch_limit)
+        run_id, guard = txn.run_id_and_guard()
+        if not queued:
+            return PassResult(run_id=run_id, judged=0, commands=0, more=False)
+        cfg = GuardConfig.model_validate(guard)
+        metas = self._tensor_metas(txn)
+        states = txn.detector_states(q.rank for q in queued)
+        detectors: dict[int, Detector] = {}
+        last_step: dict[int, int] = {}
+        unconfirmed = txn.unconfirmed_checkpoints(max(q.last_step for q in queued) - cfg.known_good_after_steps)
+        remediating = txn.has_remediation_state()
+        commands = 0
+        for q in queued:
+            batch = take(q.queue_id) or txn.read_batch(q, run_id)
+            detector = detectors.get(q.rank)
+            if detector is None:
+                detector = detectors[q.rank] = Detector(cfg, metas, states.get(q.rank))
+            findings = detector.observe(batch.steps, batch.blocks)
+            last_step[q.rank] = max(last_step.get(q.rank, q.last_step), q.last_step)
+            finding_ids = txn.add_findings(q.rank, q.segment, findings)
+            unconfirmed = self._confirm_checkpoints(txn, unconfirmed, q.last_step, cfg)
+            if not findings and not remediating:
+                continue
+            view = _view(txn, q, metas)
+            stored: list[tuple[int, Decision, int]] = []
+            for d in decide(findings, view, cfg) + promotions(view, cfg):
+                status = _status(d, cfg)
+                action_id = txn.add_action(d, status, [finding_ids[i] for i in d.findings], q.last_step)
+                stored.append((action_id, d, q.last_step))
+                if status is ActionStatus.PENDING:
+                    commands += 1
+                    remediating |= d.kind in (ActionKind.FALLBACK, ActionKind.PROMOTE)
+            txn.enqueue_alerts(alert_rows(self.alerts, run_id, stored, txn.now))
+        for rank, detector in detectors.items():
+            txn.save_detector_state(rank, detector.state_dict(), last_step[rank])
+        txn.done([q.queue_id for q in queued])
+        return PassResult(run_id=run_id, judged=len(queued), commands=commands,
+                          more=len(queued) == (limit or self.batch_limit))
+
+    def _tensor_metas(self, txn: LoopTxn) -> list[TensorMeta]:
+        """The run's tensor table changes only by appending: cached by (run, number of tensors)."""
+        key = (txn.run_pk, txn.tensor_count())
+        with self._lock:
+            metas = self._metas.get(key)
+        if metas is None:
+            metas = tensor_metas(txn.tensors())
+            with self._lock:
+                self._metas[key] = metas
+        return metas
+
+    @staticmethod
+    def _confirm_checkpoints(txn: LoopTxn, unconfirmed: list[tuple[int, int, int]], step: int,
+                             cfg: GuardConfig) -> list[tuple[int, int, int]]:
+        """A checkpoint is known-good once ``known_good_after_steps`` followed it with no warning or
+        critical finding whose onset falls in [step - margin, step + known_good_after_steps]."""
+        ripe = [c for c in unconfirmed if c[2] + cfg.known_good_after_steps <= step]
+        if not ripe:
+            return unconfirmed
+        good = [c for c in ripe if not txn.troubled_between(c[2] - cfg.rollback_margin_steps,
+                                                            c[2] + cfg.known_good_after_steps)]
+        txn.mark_known_good(good)
+        return [c for c in unconfirmed if c not in ripe]
+
+
+def _status(d: Decision, cfg: GuardConfig) -> ActionStatus:
+    """Commands wait for the agent (in dry-run they are only recommended); alerts and pages are records."""
+    if not d.kind.is_command:
+        return ActionStatus.RECORDED
+    return ActionStatus.RECOMMENDED if cfg.dry_run else ActionStatus.PENDING
+
+
+def _view(txn: LoopTxn, q: QueuedBatch, metas: Sequence[TensorMeta]) -> RunView:
+    v = txn.view_inputs()
+    bf16 = {m: since for m, (p, since) in v.precision.items() if p is not Precision.FP8}
+    return RunView(step=q.last_step, modules=sorted({m.module for m in metas}), bf16=bf16,
+                   rollback_pending=v.rollback_pending, known_good=v.known_good,
+                   recent_rollbacks=v.recent_rollbacks, last_finding_step=v.last_fp8_finding, pinned=v.pinned,
+                   pending=v.pending_modules, whole_model_pending=v.whole_model_pending)

@@ -1,0 +1,219 @@
+"""``LoopWorker``: runs the closed loop off the request path, per run in order, runs in parallel.
+
+Ingest answers as soon as a batch is durable and hands the batch to ``submit``; a small pool of
+threads then judges dirty runs, one thread per run at a time (in this process) and one pass per
+run at a time across processes (the store's loop lock). The batches themselves wait in the
+database's ``loop_queue``, so nothing depends on this process surviving: a periodic sweep picks
+up batches stored by a process that died, or left over when a pass stopped at its limit.
+Batches this process received are kept in memory until judged (bounded), so the common path
+never reads them back.
+
+Guarantees: every acknowledged batch is judged exactly once (its queue row is deleted in the
+transaction that stores its findings and decisions); batches of one rank are judged in the order
+they were written; a run's decisions are taken one batch at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from fp8guard.service.domain import Batch
+from fp8guard.service.errors import StorageUnavailable
+from fp8guard.service.loop.judge import Judge, PassResult
+from fp8guard.service.store import Store
+
+__all__ = ["LoopStats", "LoopWorker"]
+
+log = logging.getLogger(__name__)
+
+
+class LoopStats:
+    """Counters for ``/metrics``."""
+
+    __slots__ = ("batches", "commands", "dropped", "failures", "passes", "seconds")
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.batches = 0
+        self.commands = 0
+        self.failures = 0
+        self.dropped = 0
+        self.seconds = 0.0
+
+
+class LoopWorker:
+    def __init__(self, store: Store, judge: Judge, *, threads: int = 2, sweep_interval_s: float = 1.0,
+                 max_held: int = 4096, on_commands: Callable[[str], None] | None = None) -> None:
+        if threads < 1:
+            raise ValueError(f"the loop needs at least one thread, got {threads}")
+        self.store = store
+        self.judge = judge
+        self.threads = threads
+        self.sweep_interval_s = sweep_interval_s
+        self.max_held = max_held
+        self.on_commands = on_commands or (lambda run_id: None)
+        self.stats = LoopStats()
+        self._cv = threading.Condition()
+        self._dirty: deque[int] = deque()
+        self._queued: set[int] = set()
+        self._busy: set[int] = set()
+        self._again: set[int] = set()
+        self._held: OrderedDict[int, Batch] = OrderedDict()
+        self._stop = False
+        self._workers: list[threading.Thread] = []
+
+    # -- feeding -------------------------------------------------------------------------------
+
+    def submit(self, run_pk: int, queue_id: int | None, batch: Batch | None) -> None:
+        """A batch of ``run_pk`` is durable (its queue row committed): judge it soon."""
+        with self._cv:
+            if queue_id is not None and batch is not None:
+                self._held[queue_id] = batch
+                while len(self._held) > self.max_held:
+                    self._held.popitem(last=False)  # read back from the database when its turn comes
+            self._mark(run_pk)
+
+    def _mark(self, run_pk: int) -> None:
+        if run_pk in self._busy:
+            self._again.add(run_pk)
+        elif run_pk not in self._queued:
+            self._queued.add(run_pk)
+            self._dirty.append(run_pk)
+            self._cv.notify()
+
+    def _take(self, queue_id: int) -> Batch | None:
+        with self._cv:
+            return self._held.pop(queue_id, None)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._workers:
+            return
+        self._stop = False
+        self._workers = [threading.Thread(target=self._run, name=f"fp8guard-loop-{i}", daemon=True)
+                         for i in range(self.threads)]
+        self._workers.append(threading.Thread(target=self._sweep, name="fp8guard-loop-sweep", daemon=True))
+        for t in self._workers:
+            t.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._workers:
+            t.join(timeout)
+        self._workers = []
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted batch was judged (tests, and a clean shutdown); without
+        running threads, judge in the calling thread."""
+        if not self._workers:
+            self.run_pending()
+            return True
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._dirty or self._busy or self._again:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.05))
+        return True
+
+    def run_pending(self) -> None:
+        """Judge every dirty run now, in this thread."""
+        while True:
+            with self._cv:
+                if not self._dirty:
+                    return
+                run_pk = self._dirty.popleft()
+                self._queued.discard(run_pk)
+                self._busy.add(run_pk)
+            self._judge(run_pk)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._dirty and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                run_pk = self._dirty.popleft()
+                self._queued.discard(run_pk)
+                self._busy.add(run_pk)
+            self._judge(run_pk)
+
+    def _judge(self, run_pk: int) -> None:
+        more = False
+        try:
+            more = self._pass(run_pk)
+        finally:
+            with self._cv:
+                self._busy.discard(run_pk)
+                if more or run_pk in self._again:
+                    self._again.discard(run_pk)
+                    self._mark(run_pk)
+                self._cv.notify_all()
+
+    def _pass(self, run_pk: int) -> bool:
+        started = time.perf_counter()
+        try:
+            result: PassResult = self.store.loop_pass(run_pk, lambda txn: self.judge(txn, self._take))
+        except StorageUnavailable:
+            self.stats.failures += 1
+            log.warning("fp8guard loop: the database is unavailable; run %s is judged again later", run_pk)
+            return False  # the sweep retries; its batches wait in the queue
+        except Exception:
+            self.stats.failures += 1
+            log.exception("fp8guard loop: judging run %s failed; judging its batches one at a time", run_pk)
+            return self._one_by_one(run_pk)
+        self._count(result, time.perf_counter() - started)
+        return result.more
+
+    def _one_by_one(self, run_pk: int) -> bool:
+        """After a failed pass: one batch per pass, so a batch the loop cannot judge (a bug, never
+        data loss: its telemetry is stored) is dropped alone, loudly."""
+        while True:
+            try:
+                result = self.store.loop_pass(run_pk, lambda txn: self.judge(txn, self._take, limit=1))
+            except StorageUnavailable:
+                return False
+            except Exception:
+                queued = self.store.loop_pass(run_pk, lambda txn: txn.queued(1))
+                if not queued:
+                    return False
+                log.exception("fp8guard loop: batch %s of run %s cannot be judged; its telemetry stays stored, "
+                              "but no rule saw it", queued[0].queue_id, run_pk)
+                self.store.drop_queued([queued[0].queue_id])
+                self.stats.dropped += 1
+                continue
+            self._count(result, 0.0)
+            if result.judged == 0:
+                return False
+
+    def _count(self, result: PassResult, seconds: float) -> None:
+        self.stats.passes += 1
+        self.stats.batches += result.judged
+        self.stats.commands += result.commands
+        self.stats.seconds += seconds
+        if result.commands:
+            self.on_commands(result.run_id)
+
+    def _sweep(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stop, timeout=self.sweep_interval_s)
+                if self._stop:
+                    return
+            try:
+                runs = self.store.queued_runs()
+            except Exception:
+                log.warning("fp8guard loop: the sweep could not read the queue", exc_info=True)
+                continue
+            with self._cv:
+                for run_pk in runs:
+                    self._mark(run_pk)

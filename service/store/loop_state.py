@@ -1,0 +1,249 @@
+"""What the closed loop reads and writes, as one unit of work per run: ``LoopTxn``.
+
+The loop (``service/loop``) decides; this module only persists and reads, inside a transaction
+that holds the run's loop lock, so one run is judged by one worker at a time across every
+service process sharing the database (PostgreSQL: a transaction-scoped advisory lock; SQLite:
+the database's single write lock, taken first). The queue rows a pass judged are deleted in the
+same transaction as its findings, decisions and alert rows: a crash either keeps all of it or
+none, and the next pass judges the batch again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+
+from fp8guard.service.domain import Batch, Decision, Finding, QueuedBatch, StatBlock, StepRow
+from fp8guard.service.kinds import FP8_RULES, ActionKind, ActionStatus, Precision, Severity
+from fp8guard.service.store.models import (
+    SqlAction,
+    SqlCheckpoint,
+    SqlDetectorState,
+    SqlFinding,
+    SqlLayerPrecision,
+    SqlLoopQueue,
+    SqlRun,
+    SqlSegment,
+    SqlStat,
+    SqlStep,
+    SqlTensor,
+    SqlTensorSeries,
+)
+from fp8guard.service.store.outbox import OutboxRow, insert_rows
+from fp8guard.service.store.telemetry_writer import upsert_insert
+from fp8guard.wire import STEP_FIELDS
+
+__all__ = ["LOOP_LOCK_CLASS", "LoopTxn", "TensorRow", "ViewInputs"]
+
+LOOP_LOCK_CLASS = 0x6C6F6F70
+"""First key of the PostgreSQL advisory lock that serialises the loop of one run ('loop')."""
+
+_SWITCHES = (ActionKind.FALLBACK, ActionKind.PROMOTE)
+
+
+class TensorRow:
+    """One row of the run's tensor table, as the detector needs it."""
+
+    __slots__ = ("fp8_format", "module", "name", "role")
+
+    def __init__(self, name: str, module: str | None, role: str | None, fp8_format: str | None) -> None:
+        self.name, self.module, self.role, self.fp8_format = name, module, role, fp8_format
+
+
+class ViewInputs:
+    """The run's situation the policy weighs, read in the pass's transaction."""
+
+    __slots__ = ("known_good", "last_fp8_finding", "pending_modules", "pinned", "precision", "recent_rollbacks",
+                 "rollback_pending", "whole_model_pending")
+
+    def __init__(self) -> None:
+        self.precision: dict[str, tuple[Precision, int]] = {}
+        """Module -> (precision the agent applied, since step)."""
+        self.pinned: frozenset[str] = frozenset()
+        self.pending_modules: dict[str, ActionKind] = {}
+        """Module -> the kind of a switch command the agent has not answered yet."""
+        self.whole_model_pending = False
+        """A whole-model fallback is pending."""
+        self.rollback_pending = False
+        self.recent_rollbacks: list[int] = []
+        self.known_good: list[int] = []
+        self.last_fp8_finding: dict[str, int] = {}
+
+
+class LoopTxn:
+    """The loop's reads and writes for one run, inside one transaction (made by ``Store.loop_pass``)."""
+
+    def __init__(self, conn: sa.Connection, run_pk: int, now: datetime) -> None:
+        self.conn = conn
+        self.run_pk = run_pk
+        self.now = now
+
+    # -- locking and the queue ------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Take the run's loop lock until the transaction ends."""
+        if self.conn.dialect.name == "postgresql":
+            self.conn.execute(sa.text("SELECT pg_advisory_xact_lock(:a, :b)"), {"a": LOOP_LOCK_CLASS, "b": self.run_pk})
+        else:  # a write first: SQLite's one write lock, held to commit, orders passes of every process
+            self.conn.execute(sa.text("DELETE FROM loop_queue WHERE 0"))
+
+    def queued(self, limit: int) -> list[QueuedBatch]:
+        q = SqlLoopQueue
+        rows = self.conn.execute(sa.select(q.id, q.rank, q.segment, q.first_step, q.last_step)
+                                 .where(q.run_pk == self.run_pk).order_by(q.id).limit(limit))
+        return [QueuedBatch(queue_id=int(r.id), rank=int(r.rank), segment=int(r.segment),
+                            first_step=int(r.first_step), last_step=int(r.last_step)) for r in rows]
+
+    def done(self, queue_ids: Sequence[int]) -> None:
+        if queue_ids:
+            self.conn.execute(sa.delete(SqlLoopQueue).where(SqlLoopQueue.id.in_(list(queue_ids))))
+
+    def read_batch(self, q: QueuedBatch, run_id: str) -> Batch:
+        """Rebuild a queued batch's scalars and level-1 statistics from the stored rows (when the
+        process that judges it is not the one that received it, or after a restart)."""
+        st = SqlStep
+        steps = []
+        for row in self.conn.execute(sa.select(st.step, st.time, st.loss, st.grad_norm, st.lr, st.tokens, st.nan_mask)
+                                   .where(st.run_pk == self.run_pk, st.rank == q.rank, st.segment == q.segment,
+                                          st.step.between(q.first_step, q.last_step)).order_by(st.step)):
+            vals = [math.nan if int(row.nan_mask) & (1 << bit) else getattr(row, name)
+                    for bit, name in enumerate(STEP_FIELDS)]
+            steps.append(StepRow(step=int(row.step), time=row.time, loss=vals[0], grad_norm=vals[1], lr=vals[2],
+                                 tokens=row.tokens))
+        ts = SqlTensorSeries
+        rows = self.conn.execute(
+            sa.select(SqlStat.name, ts.block, ts.data).join(SqlStat, SqlStat.id == ts.stat_id)
+            .where(ts.run_pk == self.run_pk, ts.rank == q.rank, ts.segment == q.segment, ts.level == 1,
+                   ts.block.between(q.first_step, q.last_step))).all()
+        blocks: list[StatBlock] = []
+        if rows:
+            names = sorted({str(r.name) for r in rows})
+            at = sorted({int(r.block) for r in rows})
+            width = max(len(r.data) for r in rows) // 4
+            values = np.full((len(at), len(names), width), np.nan, dtype=np.float32)
+            si, ti = {n: i for i, n in enumerate(names)}, {s: i for i, s in enumerate(at)}
+            for r in rows:
+                v = np.frombuffer(bytes(r.data), dtype="<f4")
+                values[ti[int(r.block)], si[str(r.name)], : v.size] = v
+            blocks.append(StatBlock(stats=tuple(names), steps=np.asarray(at, dtype=np.int64), values=values))
+        return Batch(run_id=run_id, batch_id=f"queued-{q.queue_id}", rank=q.rank, segment=q.segment, tensors=[],
+                     steps=steps, blocks=blocks, events=[])
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def run_id_and_guard(self) -> tuple[str, dict[str, Any]]:
+        row = self.conn.execute(sa.select(SqlRun.run_id, SqlRun.guard).where(SqlRun.id == self.run_pk)).one()
+        return str(row.run_id), dict(row.guard or {})
+
+    def tensor_count(self) -> int:
+        return int(self.conn.scalar(sa.select(sa.func.count()).select_from(SqlTensor)
+                                    .where(SqlTensor.run_pk == self.run_pk)) or 0)
+
+    def tensors(self) -> list[TensorRow]:
+        t = SqlTensor
+        return [TensorRow(r.name, r.module, r.role, r.fp8_format) for r in self.conn.execute(
+            sa.select(t.name, t.module, t.role, t.fp8_format).where(t.run_pk == self.run_pk).order_by(t.idx))]
+
+    # -- detector state ------------------------------------------------------------------------
+
+    def detector_states(self, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
+        d = SqlDetectorState
+        return {int(r.rank): dict(r.state) for r in self.conn.execute(
+            sa.select(d.rank, d.state).where(d.run_pk == self.run_pk, d.rank.in_(sorted(set(ranks)))))}
+
+    def save_detector_state(self, rank: int, state: dict[str, Any], last_step: int) -> None:
+        stmt = upsert_insert(self.conn)(SqlDetectorState).values(
+            run_pk=self.run_pk, rank=rank, state=state, last_step=last_step, updated_at=self.now)
+        self.conn.execute(stmt.on_conflict_do_update(
+            index_elements=["run_pk", "rank"],
+            set_={"state": stmt.excluded.state, "last_step": stmt.excluded.last_step,
+                  "updated_at": stmt.excluded.updated_at}))
+
+    # -- findings, checkpoints, decisions -------------------------------------------------------
+
+    def add_findings(self, rank: int, segment: int, findings: Sequence[Finding]) -> list[int]:
+        return [int(self.conn.execute(sa.insert(SqlFinding).values(
+            run_pk=self.run_pk, rank=rank, segment=segment, step=f.step, onset_step=f.onset_step, rule=str(f.rule),
+            severity=str(f.severity), explanation=f.explanation[:1024], modules=list(f.modules), evidence=f.evidence,
+            created_at=self.now).returning(SqlFinding.id)).scalar_one()) for f in findings]
+
+    def unconfirmed_checkpoints(self, up_to_step: int) -> list[tuple[int, int, int]]:
+        """(rank, segment, step) of checkpoints not yet known-good, saved at or before ``up_to_step``."""
+        ck = SqlCheckpoint
+        return [(int(r), int(g), int(s)) for r, g, s in self.conn.execute(sa.select(ck.rank, ck.segment, ck.step).where(
+            ck.run_pk == self.run_pk, ck.known_good.is_(False), ck.step <= up_to_step))]
+
+    def troubled_between(self, first: int, last: int) -> bool:
+        """Whether a warning or critical finding has its onset in [first, last]."""
+        return bool(self.conn.scalar(sa.select(sa.func.count()).select_from(SqlFinding).where(
+            SqlFinding.run_pk == self.run_pk, SqlFinding.severity.in_((Severity.WARNING, Severity.CRITICAL)),
+            SqlFinding.onset_step.between(first, last))))
+
+    def mark_known_good(self, checkpoints: Sequence[tuple[int, int, int]]) -> None:
+        ck = SqlCheckpoint
+        for rank, segment, step in checkpoints:
+            self.conn.execute(sa.update(ck).where(ck.run_pk == self.run_pk, ck.rank == rank, ck.segment == segment,
+                                                  ck.step == step).values(known_good=True))
+
+    def has_remediation_state(self) -> bool:
+        """Whether any module is (or is being switched) off FP8: promotions need a look then."""
+        lp, a = SqlLayerPrecision, SqlAction
+        if self.conn.scalar(sa.select(sa.func.count()).select_from(lp).where(
+                lp.run_pk == self.run_pk, lp.precision != Precision.FP8)):
+            return True
+        return bool(self.conn.scalar(sa.select(sa.func.count()).select_from(a).where(
+            a.run_pk == self.run_pk, a.status == ActionStatus.PENDING, a.kind.in_(_SWITCHES))))
+
+    def view_inputs(self) -> ViewInputs:
+        v = ViewInputs()
+        lp, a = SqlLayerPrecision, SqlAction
+        for r in self.conn.execute(sa.select(lp.module, lp.precision, lp.since_step).where(lp.run_pk == self.run_pk)):
+            v.precision[str(r.module)] = (Precision(r.precision), int(r.since_step))
+        v.pinned = frozenset(m for m, (p, _) in v.precision.items() if p is Precision.PINNED)
+        for r in self.conn.execute(sa.select(a.kind, a.status, a.step, a.payload).where(
+                a.run_pk == self.run_pk, a.kind.in_((*_SWITCHES, ActionKind.ROLLBACK)),
+                a.status.in_((ActionStatus.PENDING, ActionStatus.APPLIED)))):
+            kind = ActionKind(r.kind)
+            if kind is ActionKind.ROLLBACK:
+                v.recent_rollbacks.append(int(r.step))
+                v.rollback_pending |= r.status == ActionStatus.PENDING
+            elif r.status == ActionStatus.PENDING:
+                modules = (r.payload or {}).get("modules")
+                if modules is None:
+                    v.whole_model_pending |= kind is ActionKind.FALLBACK
+                else:
+                    v.pending_modules.update({str(m): kind for m in modules})
+        v.known_good = self._known_good_steps()
+        for modules, fstep in self.conn.execute(sa.select(SqlFinding.modules, SqlFinding.step).where(
+                SqlFinding.run_pk == self.run_pk, SqlFinding.rule.in_([str(r) for r in FP8_RULES]))):
+            for m in modules or []:
+                v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), int(fstep))
+        return v
+
+    def _known_good_steps(self) -> list[int]:
+        """Known-good checkpoints still on the current timeline: a checkpoint of segment k at a step
+        that a later segment re-ran was abandoned by the rollback that started that segment."""
+        firsts = {int(s): int(f) for s, f in self.conn.execute(
+            sa.select(SqlSegment.segment, sa.func.min(SqlSegment.first_step)).where(SqlSegment.run_pk == self.run_pk)
+            .group_by(SqlSegment.segment))}
+        out = []
+        for seg, step in self.conn.execute(sa.select(SqlCheckpoint.segment, SqlCheckpoint.step).where(
+                SqlCheckpoint.run_pk == self.run_pk, SqlCheckpoint.known_good.is_(True))):
+            later = [f for s, f in firsts.items() if s > seg]
+            if not later or step < min(later):
+                out.append(int(step))
+        return sorted(set(out))
+
+    def add_action(self, decision: Decision, status: ActionStatus, finding_ids: Sequence[int], step: int) -> int:
+        return int(self.conn.execute(sa.insert(SqlAction).values(
+            run_pk=self.run_pk, kind=str(decision.kind), status=str(status), step=step, reason=decision.reason[:1024],
+            payload=decision.details(), finding_ids=list(finding_ids), created_at=self.now)
+            .returning(SqlAction.id)).scalar_one())
+
+    def enqueue_alerts(self, rows: Sequence[OutboxRow]) -> int:
+        return insert_rows(self.conn, rows, run_pk=self.run_pk)
