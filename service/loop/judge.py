@@ -11,9 +11,11 @@ service processes.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fp8guard.service.alerts.config import AlertSettings
 from fp8guard.service.alerts.from_decisions import alert_rows
@@ -50,17 +52,18 @@ class Judge:
         self.alerts = alerts
         self.batch_limit = batch_limit
         self._metas: dict[tuple[int, int], list[TensorMeta]] = {}
+        self._configs: dict[str, GuardConfig] = {}
         self._lock = threading.Lock()
 
     def __call__(self, txn: LoopTxn, take: Callable[[int], Batch | None], *, limit: int | None = None) -> PassResult:
         """Judge up to ``limit`` queued batches of ``txn``'s run; ``take(queue_id)`` hands over a
         batch this process still holds in memory (else it is read back from the database)."""
         queued = txn.queued(limit or self.batch_limit)
-        run_id, guard = txn.run_id_and_guard()
+        run_id, guard, n_tensors = txn.run_info()
         if not queued:
             return PassResult(run_id=run_id, judged=0, commands=0, more=False)
-        cfg = GuardConfig.model_validate(guard)
-        metas = self._tensor_metas(txn)
+        cfg = self._config(guard)
+        metas = self._tensor_metas(txn, n_tensors)
         states = txn.detector_states(q.rank for q in queued)
         detectors: dict[int, Detector] = {}
         last_step: dict[int, int] = {}
@@ -94,9 +97,22 @@ class Judge:
         return PassResult(run_id=run_id, judged=len(queued), commands=commands,
                           more=len(queued) == (limit or self.batch_limit))
 
-    def _tensor_metas(self, txn: LoopTxn) -> list[TensorMeta]:
+    def _config(self, guard: dict[str, Any]) -> GuardConfig:
+        """The run's guard, validated once per distinct set of overrides."""
+        key = json.dumps(guard, sort_keys=True)
+        with self._lock:
+            cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = GuardConfig.model_validate(guard)
+            with self._lock:
+                if len(self._configs) > 1024:
+                    self._configs.clear()
+                self._configs[key] = cfg
+        return cfg
+
+    def _tensor_metas(self, txn: LoopTxn, n_tensors: int) -> list[TensorMeta]:
         """The run's tensor table changes only by appending: cached by (run, number of tensors)."""
-        key = (txn.run_pk, txn.tensor_count())
+        key = (txn.run_pk, n_tensors)
         with self._lock:
             metas = self._metas.get(key)
         if metas is None:

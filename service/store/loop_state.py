@@ -10,6 +10,7 @@ none, and the next pass judges the batch again.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -20,14 +21,13 @@ import sqlalchemy as sa
 
 from fp8guard.service.domain import Batch, Decision, Finding, QueuedBatch, StatBlock, StepRow
 from fp8guard.service.kinds import FP8_RULES, ActionKind, ActionStatus, Precision, Severity
+from fp8guard.service.store import sql
 from fp8guard.service.store.models import (
     SqlAction,
     SqlCheckpoint,
-    SqlDetectorState,
     SqlFinding,
     SqlLayerPrecision,
     SqlLoopQueue,
-    SqlRun,
     SqlSegment,
     SqlStat,
     SqlStep,
@@ -35,7 +35,6 @@ from fp8guard.service.store.models import (
     SqlTensorSeries,
 )
 from fp8guard.service.store.outbox import OutboxRow, insert_rows
-from fp8guard.service.store.telemetry_writer import upsert_insert
 from fp8guard.wire import STEP_FIELDS
 
 __all__ = ["LOOP_LOCK_CLASS", "LoopTxn", "TensorRow", "ViewInputs"]
@@ -88,20 +87,27 @@ class LoopTxn:
     def lock(self) -> None:
         """Take the run's loop lock until the transaction ends."""
         if self.conn.dialect.name == "postgresql":
-            self.conn.execute(sa.text("SELECT pg_advisory_xact_lock(:a, :b)"), {"a": LOOP_LOCK_CLASS, "b": self.run_pk})
+            # No WAL flush wait at commit: a pass lost in a crash leaves its queue rows, so its batches
+            # are judged again (findings and the queue's deletion commit or vanish together).
+            sql.run(self.conn, "SET LOCAL synchronous_commit TO OFF")
+            sql.run(self.conn, "SELECT pg_advisory_xact_lock(?, ?)", (LOOP_LOCK_CLASS, self.run_pk))
         else:  # a write first: SQLite's one write lock, held to commit, orders passes of every process
-            self.conn.execute(sa.text("DELETE FROM loop_queue WHERE 0"))
+            sql.run(self.conn, "DELETE FROM loop_queue WHERE 0")
 
     def queued(self, limit: int) -> list[QueuedBatch]:
-        q = SqlLoopQueue
-        rows = self.conn.execute(sa.select(q.id, q.rank, q.segment, q.first_step, q.last_step)
-                                 .where(q.run_pk == self.run_pk).order_by(q.id).limit(limit))
-        return [QueuedBatch(queue_id=int(r.id), rank=int(r.rank), segment=int(r.segment),
-                            first_step=int(r.first_step), last_step=int(r.last_step)) for r in rows]
+        rows = sql.fetch_all(self.conn, "SELECT id, rank, segment, first_step, last_step FROM loop_queue "
+                                        "WHERE run_pk = ? ORDER BY id LIMIT ?", (self.run_pk, limit))
+        return [QueuedBatch(queue_id=int(r[0]), rank=int(r[1]), segment=int(r[2]), first_step=int(r[3]),
+                            last_step=int(r[4])) for r in rows]
 
     def done(self, queue_ids: Sequence[int]) -> None:
         if queue_ids:
-            self.conn.execute(sa.delete(SqlLoopQueue).where(SqlLoopQueue.id.in_(list(queue_ids))))
+            lo, hi = min(queue_ids), max(queue_ids)
+            if hi - lo + 1 == len(queue_ids):  # the usual case: a contiguous stretch of this run's queue
+                sql.run(self.conn, "DELETE FROM loop_queue WHERE run_pk = ? AND id BETWEEN ? AND ?",
+                        (self.run_pk, lo, hi))
+            else:
+                self.conn.execute(sa.delete(SqlLoopQueue).where(SqlLoopQueue.id.in_(list(queue_ids))))
 
     def read_batch(self, q: QueuedBatch, run_id: str) -> Batch:
         """Rebuild a queued batch's scalars and level-1 statistics from the stored rows (when the
@@ -136,13 +142,12 @@ class LoopTxn:
 
     # -- the run -----------------------------------------------------------------------------
 
-    def run_id_and_guard(self) -> tuple[str, dict[str, Any]]:
-        row = self.conn.execute(sa.select(SqlRun.run_id, SqlRun.guard).where(SqlRun.id == self.run_pk)).one()
-        return str(row.run_id), dict(row.guard or {})
-
-    def tensor_count(self) -> int:
-        return int(self.conn.scalar(sa.select(sa.func.count()).select_from(SqlTensor)
-                                    .where(SqlTensor.run_pk == self.run_pk)) or 0)
+    def run_info(self) -> tuple[str, dict[str, Any], int]:
+        """The run's id, guard overrides and number of tensors."""
+        row = sql.fetch_one(self.conn, "SELECT run_id, guard, (SELECT count(*) FROM tensors WHERE run_pk = runs.id) "
+                                       "FROM runs WHERE id = ?", (self.run_pk,))
+        assert row is not None
+        return str(row[0]), dict(sql.json_value(self.conn, row[1]) or {}), int(row[2])
 
     def tensors(self) -> list[TensorRow]:
         t = SqlTensor
@@ -152,17 +157,16 @@ class LoopTxn:
     # -- detector state ------------------------------------------------------------------------
 
     def detector_states(self, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
-        d = SqlDetectorState
-        return {int(r.rank): dict(r.state) for r in self.conn.execute(
-            sa.select(d.rank, d.state).where(d.run_pk == self.run_pk, d.rank.in_(sorted(set(ranks)))))}
+        wanted = set(ranks)
+        return {int(r[0]): dict(sql.json_value(self.conn, r[1])) for r in sql.fetch_all(
+            self.conn, "SELECT rank, state FROM detector_states WHERE run_pk = ?", (self.run_pk,)) if r[0] in wanted}
 
     def save_detector_state(self, rank: int, state: dict[str, Any], last_step: int) -> None:
-        stmt = upsert_insert(self.conn)(SqlDetectorState).values(
-            run_pk=self.run_pk, rank=rank, state=state, last_step=last_step, updated_at=self.now)
-        self.conn.execute(stmt.on_conflict_do_update(
-            index_elements=["run_pk", "rank"],
-            set_={"state": stmt.excluded.state, "last_step": stmt.excluded.last_step,
-                  "updated_at": stmt.excluded.updated_at}))
+        # An upsert: a run's first batches may be judged in one pass or several, by any process.
+        sql.run(self.conn, "INSERT INTO detector_states (run_pk, rank, state, last_step, updated_at) "
+                           "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_pk, rank) DO UPDATE SET state = excluded.state, "
+                           "last_step = excluded.last_step, updated_at = excluded.updated_at",
+                (self.run_pk, rank, json.dumps(state, allow_nan=False), last_step, sql.timestamp(self.conn, self.now)))
 
     # -- findings, checkpoints, decisions -------------------------------------------------------
 
@@ -174,9 +178,9 @@ class LoopTxn:
 
     def unconfirmed_checkpoints(self, up_to_step: int) -> list[tuple[int, int, int]]:
         """(rank, segment, step) of checkpoints not yet known-good, saved at or before ``up_to_step``."""
-        ck = SqlCheckpoint
-        return [(int(r), int(g), int(s)) for r, g, s in self.conn.execute(sa.select(ck.rank, ck.segment, ck.step).where(
-            ck.run_pk == self.run_pk, ck.known_good.is_(False), ck.step <= up_to_step))]
+        return [(int(r), int(g), int(s)) for r, g, s in sql.fetch_all(
+            self.conn, "SELECT rank, segment, step FROM checkpoints WHERE run_pk = ? AND NOT known_good AND step <= ?",
+            (self.run_pk, up_to_step))]
 
     def troubled_between(self, first: int, last: int) -> bool:
         """Whether a warning or critical finding has its onset in [first, last]."""
@@ -192,12 +196,11 @@ class LoopTxn:
 
     def has_remediation_state(self) -> bool:
         """Whether any module is (or is being switched) off FP8: promotions need a look then."""
-        lp, a = SqlLayerPrecision, SqlAction
-        if self.conn.scalar(sa.select(sa.func.count()).select_from(lp).where(
-                lp.run_pk == self.run_pk, lp.precision != Precision.FP8)):
-            return True
-        return bool(self.conn.scalar(sa.select(sa.func.count()).select_from(a).where(
-            a.run_pk == self.run_pk, a.status == ActionStatus.PENDING, a.kind.in_(_SWITCHES))))
+        row = sql.fetch_one(
+            self.conn, "SELECT EXISTS (SELECT 1 FROM layer_precision WHERE run_pk = ? AND precision <> ?) OR "
+                       "EXISTS (SELECT 1 FROM actions WHERE run_pk = ? AND status = ? AND kind IN (?, ?))",
+            (self.run_pk, str(Precision.FP8), self.run_pk, str(ActionStatus.PENDING), *map(str, _SWITCHES)))
+        return bool(row and row[0])
 
     def view_inputs(self) -> ViewInputs:
         v = ViewInputs()

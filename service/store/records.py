@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from fp8guard import wire
 from fp8guard.service.domain import ActionRecord, CheckpointRecord, FindingRecord, PrecisionRecord
 from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Rule, Severity
+from fp8guard.service.store import sql
 from fp8guard.service.store.models import (
     SqlAction,
     SqlCheckpoint,
@@ -45,14 +46,15 @@ def action_list(conn: sa.Connection, pk: int, *, limit: int = 1000) -> list[Acti
                          applied_step=r.applied_step, error=r.error) for r in rows]
 
 
+_PENDING_SQL = ("SELECT id, kind, reason, payload FROM actions WHERE run_pk = ? AND status = 'pending' "
+                f"AND kind IN ({', '.join(repr(str(k)) for k in wire.CommandKind)}) ORDER BY id")
+
+
 def pending_commands(conn: sa.Connection, pk: int) -> list[wire.Command]:
-    """Commands the agent has not answered yet, oldest first."""
-    a = SqlAction
-    rows = conn.execute(sa.select(a.id, a.kind, a.reason, a.payload).where(
-        a.run_pk == pk, a.status == ActionStatus.PENDING, a.kind.in_([str(k) for k in wire.CommandKind]))
-        .order_by(a.id))
-    return [wire.Command.from_json({**(r.payload or {}), "id": int(r.id), "kind": r.kind, "reason": r.reason})
-            for r in rows]
+    """Commands the agent has not answered yet, oldest first (every ingest answer carries them)."""
+    assert ActionStatus.PENDING == "pending"
+    return [wire.Command.from_json({**(sql.json_value(conn, r.payload) or {}), "id": int(r.id), "kind": r.kind,
+                                    "reason": r.reason}) for r in sql.fetch_all(conn, _PENDING_SQL, (pk,))]
 
 
 def precision_list(conn: sa.Connection, pk: int) -> list[PrecisionRecord]:

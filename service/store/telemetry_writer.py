@@ -29,14 +29,12 @@ from fp8guard import wire
 from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, TensorInfo
 from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
 from fp8guard.service.kinds import ActionStatus, Precision
-from fp8guard.service.store import buckets
+from fp8guard.service.store import buckets, sql
 from fp8guard.service.store.models import (
     SqlAction,
-    SqlBatch,
     SqlCheckpoint,
     SqlEvent,
     SqlLayerPrecision,
-    SqlLoopQueue,
     SqlRun,
     SqlRunRank,
     SqlSegment,
@@ -117,15 +115,11 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
             f"run {batch.run_id!r} is not registered; register it first with PUT /v1/runs/{batch.run_id}",
             loc=("body", "run_id"),
         )
-    insert = upsert_insert(conn)
     samples = batch.num_samples
-    accepted = conn.execute(
-        insert(SqlBatch)
-        .values(run_pk=run_pk, batch_id=batch.batch_id, rank=batch.rank, received_at=now,
-                steps=len(batch.steps), samples=samples)
-        .on_conflict_do_nothing()
-        .returning(SqlBatch.rank)  # rowcount is not portable for INSERT .. ON CONFLICT
-    ).first() is not None
+    accepted = sql.fetch_one(  # RETURNING: rowcount is not portable for INSERT .. ON CONFLICT
+        conn, "INSERT INTO ingest_batches (run_pk, batch_id, rank, received_at, steps, samples) "
+              "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING rank",
+        (run_pk, batch.batch_id, batch.rank, sql.timestamp(conn, now), len(batch.steps), samples)) is not None
     if not accepted:
         return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0, run_pk=run_pk), run_pk
 
@@ -149,21 +143,21 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteC
     _record_agent_facts(conn, run_pk, batch, now)
     queue_id = None
     if first_step is not None and last_step is not None:
-        queue_id = int(conn.execute(sa.insert(SqlLoopQueue).values(
-            run_pk=run_pk, rank=batch.rank, segment=batch.segment, first_step=first_step, last_step=last_step)
-            .returning(SqlLoopQueue.id)).scalar_one())
+        row = sql.fetch_one(conn, "INSERT INTO loop_queue (run_pk, rank, segment, first_step, last_step) "
+                                  "VALUES (?, ?, ?, ?, ?) RETURNING id",
+                            (run_pk, batch.rank, batch.segment, first_step, last_step))
+        assert row is not None
+        queue_id = int(row[0])
     return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples,
                         queue_id=queue_id, run_pk=run_pk), run_pk
 
 
 def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Any:
     """Bump the rank's batch counter (taking its row lock until commit) and return its progress."""
-    where = (SqlRunRank.run_pk == run_pk) & (SqlRunRank.rank == rank)
-    bump = (
-        sa.update(SqlRunRank).where(where).values(batches=SqlRunRank.batches + 1, updated_at=now)
-        .returning(SqlRunRank.last_step, SqlRunRank.last_segment, SqlRunRank.batches)
-    )
-    row = conn.execute(bump).first()
+    bump = ("UPDATE run_ranks SET batches = batches + 1, updated_at = ? WHERE run_pk = ? AND rank = ? "
+            "RETURNING last_step, last_segment, batches")
+    args = (sql.timestamp(conn, now), run_pk, rank)
+    row = sql.fetch_one(conn, bump, args)
     if row is None:
         conn.execute(
             upsert_insert(conn)(SqlRunRank)
@@ -171,7 +165,7 @@ def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> An
                     last_loss_nan=False)
             .on_conflict_do_nothing()
         )
-        row = conn.execute(bump).one()
+        row = sql.fetch_one(conn, bump, args)
     return row
 
 
@@ -192,7 +186,8 @@ def _touch_segment(
     key = (SqlSegment.run_pk == run_pk) & (SqlSegment.rank == batch.rank) & (SqlSegment.segment == batch.segment)
     if batch.segment == progress.last_segment and progress.last_step is not None and first > progress.last_step:
         # The common case, a batch continuing the current segment: one UPDATE, no read.
-        conn.execute(sa.update(SqlSegment).where(key).values(last_step=last))
+        sql.run(conn, "UPDATE segments SET last_step = ? WHERE run_pk = ? AND rank = ? AND segment = ?",
+                (last, run_pk, batch.rank, batch.segment))
         return False
     row = conn.execute(sa.select(SqlSegment.first_step, SqlSegment.last_step).where(key)).one_or_none()
     if row is None:
@@ -212,12 +207,24 @@ def _define_tensors(conn: sa.Connection, run_pk: int, tensors: Sequence[TensorIn
          "fp8_format": t.fp8_format, "first_step": first_step}
         for t in tensors
     ]
+    known = sql.fetch_one(conn, "SELECT count(*) FROM tensors WHERE run_pk = ?", (run_pk,))
+    if not (known and known[0]) and conn.dialect.name == "postgresql":
+        # A run's first definitions: binary COPY (a unique violation still fails the batch: 409).
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cur, cur.copy("COPY tensors (run_pk, idx, name, module, role, fp8_format, first_step) "
+                                           "FROM STDIN (FORMAT BINARY)") as cp:
+            cp.set_types(["int4", "int4", "text", "text", "text", "text", "int8"])
+            for r in rows:
+                cp.write_row(tuple(r.values()))
+        return
     conn.execute(upsert_insert(conn)(SqlTensor).on_conflict_do_nothing(), rows)
+    resent = tensors
     stored = {
         int(r.idx): str(r.name)
         for r in conn.execute(
             sa.select(SqlTensor.idx, SqlTensor.name).where(
-                SqlTensor.run_pk == run_pk, SqlTensor.idx.in_([t.index for t in tensors])
+                SqlTensor.run_pk == run_pk, SqlTensor.idx.in_([t.index for t in resent])
             )
         )
     }
@@ -452,21 +459,24 @@ def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
 def _update_progress(
     conn: sa.Connection, run_pk: int, batch: Batch, progress: sa.Row[Any], last_step: int | None, samples: int
 ) -> None:
-    values: dict[str, Any] = {"samples": SqlRunRank.samples + samples}
     newer = last_step is not None and (
         progress.last_step is None
         or batch.segment > progress.last_segment
         or (batch.segment == progress.last_segment and last_step >= progress.last_step)
     )
-    if newer:
-        values.update(last_step=last_step, last_segment=batch.segment)
-        latest = max(batch.steps, key=lambda r: r.step, default=None)
-        if latest is not None:
-            nan = latest.loss is not None and math.isnan(latest.loss)
-            values.update(last_time=latest.time, last_loss=None if nan else latest.loss, last_loss_nan=nan)
-    conn.execute(
-        sa.update(SqlRunRank).where(SqlRunRank.run_pk == run_pk, SqlRunRank.rank == batch.rank).values(**values)
-    )
+    latest = max(batch.steps, key=lambda r: r.step, default=None) if newer else None
+    if not newer:
+        sql.run(conn, "UPDATE run_ranks SET samples = samples + ? WHERE run_pk = ? AND rank = ?",
+                (samples, run_pk, batch.rank))
+    elif latest is None:
+        sql.run(conn, "UPDATE run_ranks SET samples = samples + ?, last_step = ?, last_segment = ? "
+                      "WHERE run_pk = ? AND rank = ?", (samples, last_step, batch.segment, run_pk, batch.rank))
+    else:
+        nan = latest.loss is not None and math.isnan(latest.loss)
+        sql.run(conn, "UPDATE run_ranks SET samples = samples + ?, last_step = ?, last_segment = ?, last_time = ?, "
+                      "last_loss = ?, last_loss_nan = ? WHERE run_pk = ? AND rank = ?",
+                (samples, last_step, batch.segment, latest.time, None if nan else latest.loss, nan, run_pk,
+                 batch.rank))
 
 
 def _record_agent_facts(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime) -> None:
