@@ -41,3 +41,30 @@ def test_no_generic_top_level_packages_installed() -> None:
         # importable from anywhere else (i.e. installed as top-level packages)
         if spec is not None and spec.origin is not None:
             assert "site-packages" not in spec.origin, f"{name} is installed as a top-level package"
+
+
+def _imports(path: str) -> set[str]:
+    import ast
+    from pathlib import Path
+
+    out: set[str] = set()
+    for file in Path(path).rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                out.add(node.module)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+    return out
+
+
+def test_stages_keep_to_their_job() -> None:
+    """The store persists and reads: it imports neither detection nor alerts; nothing outside the
+    store touches its ORM models."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "service"
+    store = _imports(str(root / "store"))
+    assert not {m for m in store if m.startswith(("fp8guard.service.loop", "fp8guard.service.alerts"))}
+    for stage in ("ingest", "loop", "alerts", "queries", "web"):
+        assert "fp8guard.service.store.models" not in _imports(str(root / stage)), stage
+    assert not {m for m in _imports(str(root / "loop")) if m.startswith("fp8guard.service.queries")}

@@ -86,3 +86,63 @@ def test_protocol_doc_names_every_field() -> None:
         assert f"`{name}`" in doc, f"docs/protocol.md does not document `{name}`"
     for kind in wire.EventKind:
         assert f"`{kind.value}`" in doc
+
+
+# -- the other direction: commands to the agent, acknowledgements back ------------------------
+
+
+def test_command_round_trips_and_the_service_mirror_agrees() -> None:
+    from fp8guard.service.schemas import CommandOut
+
+    cmd = wire.Command(id=7, kind=wire.CommandKind.ROLLBACK, reason="loss spike", checkpoint_step=100,
+                       skip_batches=250, lr_scale=0.5, lr_scale_steps=20, onset_step=140, spike_step=150)
+    raw = json.loads(json.dumps(cmd.to_json()))
+    assert wire.Command.from_json(raw) == cmd
+    assert set(raw) == set(CommandOut.model_fields)
+    assert CommandOut.model_validate(raw).model_dump(mode="json") == raw
+    assert CommandOut.of(cmd).model_dump(mode="json") == raw
+    fb = wire.Command(id=8, kind=wire.CommandKind.FALLBACK, modules=("blocks.0.fc",), escalation=True)
+    assert wire.Command.from_json(json.loads(json.dumps(fb.to_json()))) == fb
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"id": 1, "kind": "explode"}, "kind"),
+    ({"id": "1", "kind": "fallback"}, "id"),
+    ({"id": 1, "kind": "rollback"}, "checkpoint_step"),
+    ({"id": 1, "kind": "fallback", "modules": "all"}, "modules"),
+    ({"id": 1, "kind": "rollback", "checkpoint_step": 3, "lr_scale": 0}, "lr_scale"),
+])
+def test_malformed_commands_name_their_field(raw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        wire.Command.from_json(raw)
+
+
+def test_ack_round_trips_and_the_service_mirror_agrees() -> None:
+    from fp8guard.service.schemas import CommandAckIn
+
+    ack = wire.CommandAck(command_id=7, status=wire.AckStatus.FAILED, applied_step=12, error="no checkpoint")
+    raw = json.loads(json.dumps(ack.to_json()))
+    assert wire.CommandAck.from_json(raw) == ack
+    assert set(raw) == set(CommandAckIn.model_fields)
+    assert CommandAckIn.model_validate(raw).model_dump(mode="json") == raw
+    with pytest.raises(ValueError, match="status"):
+        wire.CommandAck.from_json({"command_id": 1, "status": "done"})
+
+
+def test_kind_lists_agree_across_the_boundary() -> None:
+    """One place defines each list; the service's action kinds and statuses extend the protocol's."""
+    from fp8guard.service.kinds import COMMAND_ACTIONS, ActionKind, ActionStatus
+
+    assert {str(k) for k in wire.CommandKind} == COMMAND_ACTIONS <= {str(k) for k in ActionKind}
+    assert {str(s) for s in wire.AckStatus} <= {str(s) for s in ActionStatus}
+    assert all(ActionKind(str(k)).is_command for k in wire.CommandKind)
+    assert not ActionKind.PAGE.is_command and not ActionKind.ALERT.is_command
+
+
+def test_agent_parses_what_the_service_sends() -> None:
+    pytest.importorskip("torch")
+    from fp8guard.agent.commands import parse_command
+    from fp8guard.service.schemas import CommandOut
+
+    cmd = wire.Command(id=3, kind=wire.CommandKind.PROMOTE, modules=("a", "b"))
+    assert parse_command(json.loads(CommandOut.of(cmd).model_dump_json())) == cmd

@@ -207,24 +207,13 @@ def _define_tensors(conn: sa.Connection, run_pk: int, tensors: Sequence[TensorIn
          "fp8_format": t.fp8_format, "first_step": first_step}
         for t in tensors
     ]
-    known = sql.fetch_one(conn, "SELECT count(*) FROM tensors WHERE run_pk = ?", (run_pk,))
-    if not (known and known[0]) and conn.dialect.name == "postgresql":
-        # A run's first definitions: binary COPY (a unique violation still fails the batch: 409).
-        raw = conn.connection.driver_connection
-        assert raw is not None
-        with raw.cursor() as cur, cur.copy("COPY tensors (run_pk, idx, name, module, role, fp8_format, first_step) "
-                                           "FROM STDIN (FORMAT BINARY)") as cp:
-            cp.set_types(["int4", "int4", "text", "text", "text", "text", "int8"])
-            for r in rows:
-                cp.write_row(tuple(r.values()))
-        return
+    # ON CONFLICT DO NOTHING, then read back: two ranks may define the same table at once.
     conn.execute(upsert_insert(conn)(SqlTensor).on_conflict_do_nothing(), rows)
-    resent = tensors
     stored = {
         int(r.idx): str(r.name)
         for r in conn.execute(
             sa.select(SqlTensor.idx, SqlTensor.name).where(
-                SqlTensor.run_pk == run_pk, SqlTensor.idx.in_([t.index for t in resent])
+                SqlTensor.run_pk == run_pk, SqlTensor.idx.in_([t.index for t in tensors])
             )
         )
     }

@@ -1,0 +1,338 @@
+"""Many agents, small frequent batches: latency, throughput, durability and decision latency.
+
+Each simulated agent is one run (``PUT /v1/runs/{id}``) that ships its tensor table in its
+first batch, then batches of ``--steps-per-batch`` steps (loss, grad_norm, lr, time) with one
+gzip-compressed stats block of ``--stats`` stats x ``--tensors`` tensors, healthy values only
+(no detector rule fires). Throttled agents (``--rate`` batches/s each) send on absolute times
+from a random start offset, so a slow answer does not lower the offered rate; ``--rate 0``
+sends back to back. Like the real shipper, an agent sends its next batch only after the
+answer to the previous one; there are no retries, a non-2xx answer or a transport error is
+counted as an error. Latency is from send to the full answer (body built beforehand); the
+percentiles are over 2xx answers.
+
+Afterwards every run's stored ``samples`` and ``ranks[].batches`` (``GET /v1/runs/{id}``)
+are compared with what the answers acknowledged (``stored_equals_acked``). ``--decisions K``
+probes, spread over the load, each register a run, send a healthy batch, long-poll
+``/v1/runs/{id}/commands?wait=10`` (or poll it every 5 ms where ``wait`` is ignored) and send a
+batch whose last loss is NaN: the decision latency is from that batch's answer to the first
+non-empty command list (0 and counted ``in_answer`` when the answer itself carried it).
+
+    python bench/load.py --agents 50 --rate 1 --duration 30 --json
+    python bench/load.py --agents 1 --rate 0 --duration 15 --json
+    python bench/load.py --database both --agents 200 --rate 0.5
+    python bench/load.py --url http://127.0.0.1:8000 --agents 20    # an already running service
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._serve import serve
+from fp8guard import wire
+
+STAT_NAMES = ("amax", "scale", "saturation", "amax_history_max", "overflows", "underflows")
+ROLES = (("fwd_input", "e4m3"), ("fwd_weight", "e4m3"), ("bwd_grad_output", "e5m2"))
+PG_ADMIN_URL = os.environ.get("FP8GUARD_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+PG_LOAD_DB = "fp8guard_load"
+WARMUP_S = 3.0
+"""Latencies of batches sent in the first seconds (every agent's start at once) are left out of
+``steady_p99_ms``; ``p99_ms`` and ``first_batch_p99_ms`` include them."""
+HEADERS = {"content-type": "application/json", "content-encoding": "gzip"}
+WAIT_S = 10.0  # long-poll wait, and the give-up time of a decision probe
+POLL_S = 0.005  # polling period where the commands endpoint ignores wait
+VARIANTS = 8  # pre-encoded stats blocks, used in turn
+
+
+class Batches:
+    """Pre-encodes the float32 blocks once, shared by every agent; a batch adds ids, steps and scalars."""
+
+    def __init__(self, tensors: int, stats: int, steps: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.stats = [*STAT_NAMES[:stats], *(f"extra{k}" for k in range(stats - len(STAT_NAMES)))]
+        self.n_tensors, self.steps, self.rng = tensors, steps, random.Random(seed)
+        level = rng.lognormal(0.0, 1.0, size=tensors)  # each tensor's typical amax
+        hist = level * 1.25  # the amax history's maximum: the delayed-scaling scale keeps headroom
+        self.blocks: list[str] = []
+        for _ in range(VARIANTS):
+            amax = level * np.exp(rng.normal(0.0, 0.02, size=(steps, tensors)))
+            cols = {"amax": amax, "scale": np.broadcast_to(448.0 / hist, amax.shape),
+                    "saturation": amax / hist, "amax_history_max": np.broadcast_to(hist, amax.shape)}
+            values = np.stack([cols.get(name, np.zeros_like(amax)) for name in self.stats], axis=1)
+            self.blocks.append(wire.encode_f32(values.astype("<f4").tobytes()))
+        self.table = [{"index": i, "name": f"layers.{i // 3}.fc:{ROLES[i % 3][0]}",
+                       "module": f"layers.{i // 3}.fc", "role": ROLES[i % 3][0], "format": ROLES[i % 3][1]}
+                      for i in range(tensors)]
+
+    def body(self, run_id: str, first_step: int, k: int, *, with_tensors: bool,
+             nan_last: bool = False) -> bytes:
+        steps = list(range(first_step, first_step + self.steps))
+        now, g = time.time(), self.rng.gauss
+        rows = [{"step": s, "time": now, "loss": 2.5 + 0.01 * g(0, 1), "grad_norm": 1.0 + 0.05 * g(0, 1),
+                 "lr": 3e-4} for s in steps]
+        if nan_last:
+            rows[-1]["loss"] = math.nan  # make_batch sends it as "NaN"
+        payload = wire.make_batch(
+            run_id=run_id, tensors=self.table if with_tensors else (), steps=rows,
+            tensor_stats=[{"stats": self.stats, "steps": steps, "n_tensors": self.n_tensors, "dtype": "<f4",
+                           "data": self.blocks[k % VARIANTS]}])
+        return wire.gzip_body(wire.dumps(payload))
+
+
+@dataclass
+class Tally:
+    latencies: list[float] = field(default_factory=list)  # seconds, 2xx answers
+    first: list[int] = field(default_factory=list)  # indexes into latencies: each agent's first batch
+    sent_at: list[float] = field(default_factory=list)  # perf_counter at send, per latency
+    errors: int = 0
+    examples: list[str] = field(default_factory=list)
+    acked: dict[str, list[int]] = field(default_factory=dict)  # run -> [batches, samples]
+
+    def error(self, text: str) -> None:
+        self.errors += 1
+        if len(self.examples) < 3:
+            self.examples.append(text[:200])
+
+
+async def _send(client: httpx.AsyncClient, tally: Tally, run_id: str, body: bytes,
+                first: bool = False) -> dict[str, Any] | None:
+    t0 = time.perf_counter()
+    try:
+        r = await client.post("/v1/ingest", content=body, headers=HEADERS)
+    except httpx.HTTPError as exc:
+        tally.error(f"{type(exc).__name__}: {exc}")
+        return None
+    latency = time.perf_counter() - t0
+    if not r.is_success:
+        tally.error(f"{r.status_code} {r.text}")
+        return None
+    answer: dict[str, Any] = r.json()
+    tally.latencies.append(latency)
+    tally.sent_at.append(t0)
+    if first:
+        tally.first.append(len(tally.latencies) - 1)
+    acked = tally.acked.setdefault(run_id, [0, 0])
+    if not answer.get("duplicate"):
+        acked[0] += 1
+        acked[1] += int(answer.get("samples", 0))
+    return answer
+
+
+async def _agent(client: httpx.AsyncClient, batches: Batches, tally: Tally, run_id: str, rate: float,
+                 t_start: float, t_end: float) -> tuple[int, int]:
+    """Returns (batches due in the window, batches sent)."""
+    offset = random.uniform(0.0, 1.0 / rate) if rate > 0 else 0.0
+    limit = math.ceil((t_end - t_start) * rate) + 1 if rate > 0 else 10_000_000
+    due = sent = step = 0
+    have_table = False
+    for k in range(limit):
+        if rate > 0:
+            at = t_start + offset + k / rate
+            if at >= t_end:
+                break
+            due += 1
+            if (delay := at - time.monotonic()) > 0:
+                await asyncio.sleep(delay)
+        elif time.monotonic() >= t_end:
+            break
+        body = batches.body(run_id, step, k, with_tensors=not have_table)
+        step += batches.steps
+        sent += 1
+        have_table = await _send(client, tally, run_id, body, first=not have_table) is not None or have_table
+    return (due if rate > 0 else sent), sent
+
+
+async def _commands(client: httpx.AsyncClient, run_id: str, wait: bool) -> tuple[list[Any], float]:
+    params = {"wait": str(WAIT_S), "after": "0"} if wait else {}
+    try:
+        r = await client.get(f"/v1/runs/{run_id}/commands", params=params)
+        got = r.json() if r.is_success else []
+    except httpx.HTTPError:
+        got = []
+    return (got if isinstance(got, list) else []), time.monotonic()
+
+
+async def _probe(client: httpx.AsyncClient, batches: Batches, tally: Tally, run_id: str,
+                 at: float) -> tuple[float | None, bool]:
+    """Returns (decision latency in ms or None when no command came, whether it came in the answer)."""
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    try:
+        (await client.put(f"/v1/runs/{run_id}", json={"model": "load"})).raise_for_status()
+    except httpx.HTTPError as exc:
+        tally.error(f"probe PUT: {exc}")
+        return None, False
+    if await _send(client, tally, run_id, batches.body(run_id, 0, 0, with_tensors=True)) is None:
+        return None, False
+    poll = asyncio.create_task(_commands(client, run_id, wait=True))
+    t_poll = time.monotonic()
+    answer = await _send(client, tally, run_id, batches.body(run_id, batches.steps, 1, with_tensors=False,
+                                                            nan_last=True))
+    t_ack = time.monotonic()
+    if answer is None or answer.get("commands"):
+        poll.cancel()
+        return (None, False) if answer is None else (0.0, True)
+    got, t_back = await poll
+    if got:
+        return (t_back - t_ack) * 1e3, False
+    if t_back - t_poll < WAIT_S / 2:  # the endpoint ignored wait: poll it
+        while time.monotonic() < t_ack + WAIT_S:
+            got, t_back = await _commands(client, run_id, wait=False)
+            if got:
+                return (t_back - t_ack) * 1e3, False
+            await asyncio.sleep(POLL_S)
+    tally.error(f"probe {run_id}: no command within {WAIT_S:g} s of the NaN batch")
+    return None, False
+
+
+async def _stored(client: httpx.AsyncClient, run_id: str) -> tuple[int, int] | str:
+    try:
+        r = await client.get(f"/v1/runs/{run_id}")
+        r.raise_for_status()
+        ranks = r.json()["ranks"]
+        return sum(int(x["batches"]) for x in ranks), sum(int(x["samples"]) for x in ranks)
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        return f"GET {run_id}: {exc}"
+
+
+async def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:6]
+    batches = Batches(args.tensors, args.stats, args.steps_per_batch)
+    conns = args.agents + 2 * args.decisions + 4
+    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+    async with httpx.AsyncClient(base_url=base, timeout=30.0, limits=limits) as client:
+        runs = [f"load-{tag}-{i}" for i in range(args.agents)]
+        registered = await asyncio.gather(*(client.put(f"/v1/runs/{run}", json={"model": "load"})
+                                            for run in runs))
+        for r in registered:
+            r.raise_for_status()
+        tally, probe_tally = Tally(), Tally()
+        t_start = time.monotonic() + 0.05
+        t_end = t_start + args.duration
+        probes = [asyncio.create_task(_probe(client, batches, probe_tally, f"probe-{i}-{tag}",
+                                             t_start + args.duration * (i + 0.5) / args.decisions))
+                  for i in range(args.decisions)]
+        counts = await asyncio.gather(*(_agent(client, batches, tally, run, args.rate, t_start, t_end)
+                                        for run in runs))
+        wall = time.monotonic() - t_start
+        decisions = await asyncio.gather(*probes)
+        acked = {**tally.acked, **probe_tally.acked}
+        stored = await asyncio.gather(*(_stored(client, run) for run in acked))
+    mismatched = []
+    for (run, (batches_acked, samples_acked)), got in zip(acked.items(), stored, strict=True):
+        if got != (batches_acked, samples_acked):
+            mismatched.append(got if isinstance(got, str) else f"{run}: stored {got[0]} batches/{got[1]} "
+                              f"samples, acked {batches_acked}/{samples_acked}")
+    lat = np.array(tally.latencies) * 1e3
+    is_first = np.zeros(lat.size, dtype=bool)
+    is_first[tally.first] = True
+    sent = np.array(tally.sent_at)
+    # steady state: batches sent after WARMUP_S, once every agent's run exists with its tensor table
+    steady, first = lat[sent >= sent.min() + WARMUP_S] if lat.size else lat, lat[is_first]
+    ms = [d for d, _ in decisions if d is not None]
+    return {
+        "database": args.database, "agents": args.agents, "rate": args.rate, "duration_s": args.duration,
+        "tensors": args.tensors, "stats": len(batches.stats), "steps_per_batch": args.steps_per_batch,
+        "samples_per_batch": args.steps_per_batch * args.tensors, "batches": len(tally.latencies),
+        "batches_per_s": round(len(tally.latencies) / wall, 2),
+        "offered_per_s": round(sum(due for due, _ in counts) / args.duration, 2),
+        "p50_ms": round(float(np.percentile(lat, 50)), 2) if lat.size else None,
+        "p99_ms": round(float(np.percentile(lat, 99)), 2) if lat.size else None,
+        "max_ms": round(float(lat.max()), 2) if lat.size else None,
+        # each agent's first batch carries its tensor table and starts its run's state; with every
+        # agent starting in the same second they come as one burst, reported on its own
+        "warmup_s": WARMUP_S,
+        "steady_p99_ms": round(float(np.percentile(steady, 99)), 2) if steady.size else None,
+        "first_batch_p99_ms": round(float(np.percentile(first, 99)), 2) if first.size else None,
+        "errors": tally.errors,
+        "error_examples": tally.examples + probe_tally.examples[:3 - len(tally.examples)],
+        "stored_equals_acked": not mismatched and bool(acked), "mismatches": mismatched[:3],
+        "decision_latency_ms": {"median": round(statistics.median(ms), 2) if ms else None,
+                                "max": round(max(ms), 2) if ms else None, "n": len(ms),
+                                "in_answer": sum(1 for _, inside in decisions if inside),
+                                "failed": len(decisions) - len(ms)},
+    }
+
+
+def _sqlite(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, serve(f"sqlite:///{Path(tmp) / 'load.db'}") as base:
+        return asyncio.run(_load(base, args))
+
+
+def _postgres(args: argparse.Namespace) -> dict[str, Any]:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=3) as admin:
+        admin.execute(f"DROP DATABASE IF EXISTS {PG_LOAD_DB} WITH (FORCE)")
+        admin.execute(f"CREATE DATABASE {PG_LOAD_DB}")
+    try:
+        with serve(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_LOAD_DB}") as base:  # serve migrates it
+            return asyncio.run(_load(base, args))
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {PG_LOAD_DB} WITH (FORCE)")
+
+
+def _print_table(results: dict[str, dict[str, Any]]) -> None:
+    print(f"{'database':10} {'agents':>6} {'rate':>5} {'offered/s':>9} {'batches/s':>9} {'p50 ms':>8} "
+          f"{'p99 ms':>8} {'max ms':>8} {'errors':>6} {'stored=acked':>12} {'decision ms (med/max)':>22}")
+    for name, r in results.items():
+        d = r["decision_latency_ms"]
+        dec = f"{d['median']}/{d['max']} ({d['in_answer']}/{d['n']} in answer)" if d["n"] else "-"
+        print(f"{name:10} {r['agents']:>6} {r['rate']:>5g} {r['offered_per_s']:>9} {r['batches_per_s']:>9} "
+              f"{r['p50_ms']!s:>8} {r['p99_ms']!s:>8} {r['max_ms']!s:>8} {r['errors']:>6} "
+              f"{r['stored_equals_acked']!s:>12} {dec:>22}")
+        for example in r["error_examples"] + r["mismatches"]:
+            print(f"  {example}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--database", choices=("sqlite", "postgresql", "both"), default="sqlite")
+    parser.add_argument("--url", help="use this already running service (127.0.0.1) instead of starting one")
+    parser.add_argument("--agents", type=int, default=50)
+    parser.add_argument("--rate", type=float, default=1.0, help="batches/s per agent; 0: back to back")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of load")
+    parser.add_argument("--tensors", type=int, default=200)
+    parser.add_argument("--stats", type=int, default=4, help=f"the first N of {', '.join(STAT_NAMES)}, ...")
+    parser.add_argument("--steps-per-batch", type=int, default=10)
+    parser.add_argument("--decisions", type=int, default=5, help="decision-latency probes")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args()
+    if min(args.agents, args.tensors, args.stats, args.steps_per_batch) < 1 or args.rate < 0 \
+            or not 0 < args.duration <= 3600 or args.decisions < 0:
+        parser.error("need agents, tensors, stats, steps-per-batch >= 1; rate >= 0; 0 < duration <= 3600; "
+                     "decisions >= 0")
+    if args.url is not None and httpx.URL(args.url).host not in ("127.0.0.1", "localhost"):
+        parser.error("--url must point at 127.0.0.1")
+
+    results: dict[str, dict[str, Any]] = {}
+    if args.url is not None:
+        args.database = "url"
+        results["url"] = asyncio.run(_load(args.url.rstrip("/"), args))
+    for name, run in (("sqlite", _sqlite), ("postgresql", _postgres)):
+        if args.url is None and args.database in (name, "both"):
+            results[name] = run(argparse.Namespace(**{**vars(args), "database": name}))
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else next(iter(results.values()))))
+    else:
+        _print_table(results)
+
+
+if __name__ == "__main__":
+    main()

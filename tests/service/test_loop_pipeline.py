@@ -1,0 +1,196 @@
+"""The closed loop off the request path: exactly one decision per incident per run across ranks
+and service processes, precision only from what the agent applied, the long-poll, and batches a
+crashed process left unjudged."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from bench._serve import serve
+from fp8guard import wire
+from fp8guard.service import Settings, create_app
+from fp8guard.service.domain import RunSpec
+from fp8guard.service.ingest.decode import decode_batch
+from fp8guard.service.schemas import IngestBatchIn
+from fp8guard.service.store import Store, make_engine
+from fp8guard.service.store.models import SqlAlert, SqlRun
+from tests.helpers import batch, post
+
+NAN_LAST = [2.5] * 9 + [math.nan]
+
+
+def _nan_batch(run: str, rank: int, **kw: Any) -> dict[str, Any]:
+    return batch(run, list(range(10)), rank=rank, losses=NAN_LAST, **kw)
+
+
+def _wait_for(predicate: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.slow
+def test_two_processes_two_ranks_one_decision_per_incident(migrated_url: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run's first two batches reach two service processes at once (rank 0 to one, rank 1
+    to the other), both with a NaN loss and no checkpoint: before the loop had per-run order,
+    both processes inserted the run's first detector state (one failed and its NaN finding was
+    lost) and both ordered a whole-model fallback with an alert each."""
+    if "postgresql" not in migrated_url:
+        pytest.skip("several service processes share a database only on PostgreSQL")
+    monkeypatch.setenv("FP8GUARD_ALERTS__WEBHOOKS", '[{"url": "http://127.0.0.1:9/hook", "secret": "whsec_' + 'MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw' + '"}]')
+    runs = [f"race-{i}" for i in range(20)]
+    with serve(migrated_url) as a, serve(migrated_url) as b:
+        with httpx.Client(base_url=a, timeout=60) as c:
+            for run in runs:
+                assert c.put(f"/v1/runs/{run}", json={"world_size": 2}).status_code == 201
+        errors: list[str] = []
+        start = threading.Barrier(2)
+
+        def send(base: str, rank: int) -> None:
+            with httpx.Client(base_url=base, timeout=60) as c:
+                for run in runs:
+                    start.wait()
+                    r = c.post("/v1/ingest", content=wire.dumps(_nan_batch(run, rank)),
+                               headers={"content-type": "application/json"})
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code} {r.text[:200]}")
+
+        threads = [threading.Thread(target=send, args=(base, rank)) for rank, base in enumerate((a, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        with httpx.Client(base_url=b, timeout=60) as c:
+            for run in runs:
+                findings = _wait_for(lambda run=run: len([f for f in c.get(f"/v1/runs/{run}/findings").json()
+                                                          if f["rule"] == "nonfinite"]) == 2 and True)
+                assert findings
+            time.sleep(1.5)  # a late duplicate decision would show up by now (sweep interval 1 s)
+            for run in runs:
+                actions = c.get(f"/v1/runs/{run}/actions").json()
+                assert [(x["kind"], x["payload"]["modules"]) for x in actions] == [("fallback", None)], run
+                assert len(c.get(f"/v1/runs/{run}/commands").json()) == 1
+    engine = make_engine(migrated_url)
+    try:
+        with engine.connect() as conn:
+            per_run = dict(conn.execute(sa.select(SqlRun.run_id, sa.func.count(SqlAlert.id))
+                                        .join(SqlAlert, SqlAlert.run_pk == SqlRun.id)
+                                        .where(SqlAlert.kind == "bf16_fallback").group_by(SqlRun.run_id)).all())
+    finally:
+        engine.dispose()
+    assert per_run == dict.fromkeys(runs, 1)
+
+
+def _ack(command_id: int, status: str, step: int) -> dict[str, Any]:
+    return {"kind": "command_acknowledged", "step": step,
+            "data": wire.CommandAck(command_id=command_id, status=wire.AckStatus(status), applied_step=step).to_json()}
+
+
+def _bf16_gauge(client: Any, run: str) -> float | None:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f'fp8guard_run_layers_bf16{{run="{run}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.mark.parametrize("answer", ["ignored", "failed", "applied"])
+def test_precision_is_what_the_agent_applied(client: Any, answer: str) -> None:
+    """A pending, ignored or failed fallback leaves the modules in FP8 on /precision and in
+    fp8guard_run_layers_bf16 (an ignored one used to show BF16 and fire FP8GuardLayersInBF16)."""
+    run = f"prec-{answer}"
+    assert client.put(f"/v1/runs/{run}", json={}).status_code == 201
+    post(client, _nan_batch(run, 0))
+    (command,) = client.get(f"/v1/runs/{run}/commands").json()
+    assert command["kind"] == "fallback" and command["modules"] is None
+    assert client.get(f"/v1/runs/{run}/precision").json() == []  # pending: nothing applied yet
+    assert _bf16_gauge(client, run) == 0
+    events = [_ack(command["id"], answer, 10)]
+    if answer == "applied":
+        events.append({"kind": "fallback_applied", "step": 10, "data": {"command_id": command["id"], "modules": None}})
+    post(client, wire.make_batch(run_id=run, events=events))
+    precision = client.get(f"/v1/runs/{run}/precision").json()
+    assert client.get(f"/v1/runs/{run}/commands").json() == []
+    if answer == "applied":
+        assert precision and {p["precision"] for p in precision} == {"bf16"}
+        assert all(p["since_step"] == 10 for p in precision)
+        assert _bf16_gauge(client, run) == len(precision)
+    else:
+        assert precision == []
+        assert _bf16_gauge(client, run) == 0
+    assert client.get(f"/v1/runs/{run}/actions").json()[0]["status"] == answer
+
+
+def test_a_malformed_ack_is_refused_at_the_door(client: Any) -> None:
+    assert client.put("/v1/runs/bad-ack", json={}).status_code == 201
+    bad = {"kind": "command_acknowledged", "step": 1, "data": {"command_id": 1, "status": "done"}}
+    r = post(client, wire.make_batch(run_id="bad-ack", events=[bad]))
+    assert r.status_code == 422 and "status" in r.text
+
+
+def test_long_poll_answers_when_the_loop_decides(tmp_path: Any) -> None:
+    """A long-poll waiting on a run's commands returns the fallback the loop issues for a NaN batch,
+    without waiting out its timeout (the bench measures how fast: docs/benchmarks.md)."""
+    url = f"sqlite:///{tmp_path / 'poll.db'}"
+    from fp8guard.service.store import upgrade
+
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    with serve(url) as base, httpx.Client(base_url=base, timeout=60) as c:
+        assert c.put("/v1/runs/poll", json={}).status_code == 201
+        r = c.post("/v1/ingest", content=wire.dumps(batch("poll", list(range(10)))),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 200
+        got: dict[str, Any] = {}
+
+        def poll() -> None:
+            t0 = time.monotonic()
+            got["commands"] = c.get("/v1/runs/poll/commands", params={"wait": 20, "after": 0}).json()
+            got["seconds"] = time.monotonic() - t0
+
+        waiter = threading.Thread(target=poll)
+        waiter.start()
+        time.sleep(0.3)
+        assert waiter.is_alive()  # nothing pending: it waits
+        r = c.post("/v1/ingest", content=wire.dumps(batch("poll", list(range(10, 20)), define_tensors=False,
+                                                          losses=NAN_LAST)),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 200
+        waiter.join(30)
+        assert [x["kind"] for x in got["commands"]] == ["fallback"]
+        assert got["seconds"] < 15
+        cid = got["commands"][0]["id"]
+        t0 = time.monotonic()
+        assert c.get("/v1/runs/poll/commands", params={"wait": 0.5, "after": cid}).json() == []
+        assert time.monotonic() - t0 >= 0.45  # nothing newer than `after`: it waited
+
+
+def test_batches_left_unjudged_by_a_crash_are_judged_after_restart(migrated_url: str) -> None:
+    """The loop's queue is durable: a batch stored by a process that died before judging it is
+    read back from the database and judged by the next process's sweep."""
+    store = Store.open(migrated_url)
+    try:
+        store.register_run(RunSpec(run_id="crashed"))
+        payload = _nan_batch("crashed", 0)
+        store.ingest(decode_batch(IngestBatchIn.model_validate_json(wire.dumps(payload))))
+    finally:
+        store.close()  # "crash": nothing judged it
+    app = create_app(Settings(database_url=migrated_url, loop_sweep_interval_s=0.1))
+    with TestClient(app) as c:
+        findings = _wait_for(lambda: c.get("/v1/runs/crashed/findings").json(), timeout=20)
+        assert [(f["rule"], f["step"]) for f in findings] == [("nonfinite", 9)]
+        assert [x["kind"] for x in c.get("/v1/runs/crashed/commands").json()] == ["fallback"]
