@@ -53,7 +53,9 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         if result.run_pk is not None and not result.duplicate:
             loop.submit(result.run_pk, result.queue_id, batch)
 
-    committer = Committer(store, max_batches=settings.group_commit_max_batches, on_stored=judge_soon)
+    writers = settings.ingest_writers or (4 if store.engine.dialect.name == "postgresql" else 1)
+    committer = Committer(store, writers=writers, max_batches=settings.group_commit_max_batches,
+                          on_stored=judge_soon)
     dispatcher = AlertDispatcher(store.engine, settings.alerts)
 
     @asynccontextmanager

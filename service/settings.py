@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     alerts: AlertSettings = Field(default_factory=AlertSettings)
     """Where alerts go: ``FP8GUARD_ALERTS__WEBHOOKS='[{"url": ..., "secret": "whsec_..."}]'``,
     ``FP8GUARD_ALERTS__SLACK``, ``FP8GUARD_ALERTS__ALERTMANAGER`` (see ``service/alerts/config.py``)."""
+    ingest_writers: int | None = Field(default=None, ge=1, le=64)
+    """Threads storing ingest groups: default 1 on SQLite (one writer at a time), 4 on PostgreSQL
+    (a run's first batches wait on the database server, not on Python: 50 agents starting at
+    once queued behind one writer for seconds)."""
     group_commit_max_batches: int = Field(default=64, ge=1, le=10_000)
     """Most batches stored in one ingest transaction (group commit under many agents)."""
     loop_threads: int = Field(default=2, ge=1, le=64)

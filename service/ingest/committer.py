@@ -1,6 +1,6 @@
 """``Committer``: group commit for the ingest path.
 
-Requests hand their decoded batch to ``submit`` and wait; one writer thread takes everything
+Requests hand their decoded batch to ``submit`` and wait; a writer thread takes everything
 waiting (up to ``max_batches`` batches or ``max_samples`` samples) and stores it in one
 transaction, so under many agents the database commits (and, on PostgreSQL, flushes its WAL)
 once per group instead of once per request. A request is answered only after the transaction
@@ -27,9 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class Committer:
-    def __init__(self, store: Store, *, max_batches: int = 64, max_samples: int = 2_000_000,
+    def __init__(self, store: Store, *, writers: int = 1, max_batches: int = 64, max_samples: int = 2_000_000,
                  on_stored: Callable[[Batch, IngestResult], None] | None = None) -> None:
+        if writers < 1:
+            raise ValueError(f"ingest needs at least one writer thread, got {writers}")
         self.store = store
+        self.writers = writers
         self.max_batches = max_batches
         self.max_samples = max_samples
         self.on_stored = on_stored or (lambda batch, result: None)
@@ -38,28 +41,31 @@ class Committer:
         self._cv = threading.Condition()
         self._queue: deque[tuple[Batch, Future[IngestResult]]] = deque()
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._count_lock = threading.Lock()
 
     def start(self) -> None:
-        if self._thread is None:
+        if not self._threads:
             self._stop = False
-            self._thread = threading.Thread(target=self._run, name="fp8guard-ingest", daemon=True)
-            self._thread.start()
+            self._threads = [threading.Thread(target=self._run, name=f"fp8guard-ingest-{i}", daemon=True)
+                             for i in range(self.writers)]
+            for t in self._threads:
+                t.start()
 
     def close(self, timeout: float = 30.0) -> None:
         """Store what is queued, then stop."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        for t in self._threads:
+            t.join(timeout)
+        self._threads = []
 
     async def submit(self, batch: Batch) -> IngestResult:
         """Store ``batch`` (with whatever else is waiting); raises the batch's ServiceError."""
         future: Future[IngestResult] = Future()
         with self._cv:
-            if self._stop or self._thread is None:
+            if self._stop or not self._threads:
                 raise StorageUnavailable("the service is shutting down; retry with the same batch_id")
             self._queue.append((batch, future))
             self._cv.notify()
@@ -89,8 +95,9 @@ class Committer:
             log.exception("fp8guard ingest: storing a group of %d batches failed", len(group))
             results = [exc if isinstance(exc, ServiceError) else StorageUnavailable(f"storing failed: {exc}")
                        for _ in group]
-        self.groups += 1
-        self.grouped += len(group)
+        with self._count_lock:
+            self.groups += 1
+            self.grouped += len(group)
         for (batch, future), result in zip(group, results, strict=True):
             if isinstance(result, BaseException):
                 future.set_exception(result)

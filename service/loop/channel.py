@@ -37,12 +37,18 @@ class CommandChannel:
         if event is not None:
             event.set()
 
-    async def wait(self, run_id: str, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a notification about ``run_id``; True if one came."""
+    def watch(self, run_id: str) -> asyncio.Event:
+        """Register interest in ``run_id`` *before* reading its commands, so a notification that
+        comes between the read and the wait is not lost; pass the result to ``wait``."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         event = self._events.setdefault(run_id, asyncio.Event())
         self._waiters[run_id] = self._waiters.get(run_id, 0) + 1
+        return event
+
+    async def wait(self, run_id: str, event: asyncio.Event, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds on a ``watch`` ticket; True if a notification came.
+        Each ticket is waited on once."""
         try:
             async with asyncio.timeout(max(0.0, timeout)):
                 await event.wait()
@@ -50,10 +56,14 @@ class CommandChannel:
         except TimeoutError:
             return False
         finally:
-            left = self._waiters[run_id] - 1
-            if left:
-                self._waiters[run_id] = left
-            else:
-                del self._waiters[run_id]
-                if self._events.get(run_id) is event:
-                    del self._events[run_id]
+            self.release(run_id, event)
+
+    def release(self, run_id: str, event: asyncio.Event) -> None:
+        """Give a ``watch`` ticket back without waiting (``wait`` does this itself)."""
+        left = self._waiters[run_id] - 1
+        if left:
+            self._waiters[run_id] = left
+        else:
+            del self._waiters[run_id]
+            if self._events.get(run_id) is event:
+                del self._events[run_id]

@@ -47,11 +47,14 @@ async def commands(
     decided by another process within ``command_poll_interval_s``."""
     deadline = time.monotonic() + min(wait, settings.long_poll_max_s)
     while True:
+        ticket = channel.watch(run_id) if wait > 0 else None
         pending = [c for c in await run_in_threadpool(store.commands, run_id) if c.id > after]
         left = deadline - time.monotonic()
-        if pending or left <= 0:
+        if ticket is None or pending or left <= 0:
+            if ticket is not None:
+                channel.release(run_id, ticket)
             return [CommandOut.of(c) for c in pending]
-        await channel.wait(run_id, min(left, settings.command_poll_interval_s))
+        await channel.wait(run_id, ticket, min(left, settings.command_poll_interval_s))
 
 
 @router.get("/{run_id}/precision", response_model=list[PrecisionOut], responses=_NOT_FOUND,

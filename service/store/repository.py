@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -59,8 +58,6 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cache = writer.WriteCache()
-        self._write_lock = threading.Lock()
-        """The write cache's pending facts belong to one transaction at a time."""
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -96,6 +93,19 @@ class Store:
         except sa.exc.DataError as exc:
             session.rollback()
             raise InvalidPayload(f"a value does not fit the database: {exc.orig}") from exc
+        except Exception as exc:
+            # The COPY and executemany paths use the driver's cursor directly: its (DB-API) errors
+            # are translated here too.
+            session.rollback()
+            dbapi = self.engine.dialect.dbapi
+            if dbapi is None or not isinstance(exc, dbapi.Error):
+                raise
+            if isinstance(exc, dbapi.IntegrityError):
+                raise Conflict(f"the data conflicts with what is stored: {exc}") from exc
+            if isinstance(exc, dbapi.DataError):
+                raise InvalidPayload(f"a value does not fit the database: {exc}") from exc
+            log.warning("database unavailable: %s", exc)
+            raise StorageUnavailable(f"the database is unavailable, retry later ({type(exc).__name__})") from exc
         finally:
             session.close()
 
@@ -136,30 +146,29 @@ class Store:
         # One lock order for every process: ranks are locked in (run, rank) order, never crosswise.
         order = sorted(range(len(batches)), key=lambda i: (batches[i].run_id, batches[i].rank))
         if len(batches) > 1:
+            txn = self._cache.begin()
             try:
-                with self._write_lock:
-                    with self._session() as s:
-                        conn = s.connection()
-                        results = {i: self._write(conn, batches[i], now) for i in order}
-                    self._cache.publish()
+                with self._session() as s:
+                    conn = s.connection()
+                    results = {i: self._write(conn, batches[i], now, txn) for i in order}
+                self._cache.publish(txn)
                 return [results[i] for i in range(len(batches))]
             except ServiceError:
-                self._cache.discard()
+                pass  # nothing of the failed transaction is published; retry batch by batch
         out: list[IngestResult | ServiceError] = []
         for batch in batches:
+            txn = self._cache.begin()
             try:
-                with self._write_lock:
-                    with self._session() as s:
-                        result = self._write(s.connection(), batch, now)
-                    self._cache.publish()
+                with self._session() as s:
+                    result = self._write(s.connection(), batch, now, txn)
+                self._cache.publish(txn)
                 out.append(result)
             except ServiceError as exc:
-                self._cache.discard()
                 out.append(exc)
         return out
 
-    def _write(self, conn: sa.Connection, batch: Batch, now: datetime) -> IngestResult:
-        result, run_pk = writer.ingest_batch(conn, batch, now, self._cache)
+    def _write(self, conn: sa.Connection, batch: Batch, now: datetime, txn: writer.CacheTxn) -> IngestResult:
+        result, run_pk = writer.ingest_batch(conn, batch, now, txn)
         return dataclasses.replace(result, commands=records.pending_commands(conn, run_pk))
 
     def run_pk(self, run_id: str) -> int:

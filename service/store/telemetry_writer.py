@@ -15,6 +15,7 @@ Nothing here decides anything: detection and policy run later, in the loop (``se
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from fp8guard.service.store.models import (
 )
 from fp8guard.wire import STEP_FIELDS
 
-__all__ = ["WriteCache", "ingest_batch", "upsert_insert"]
+__all__ = ["CacheTxn", "WriteCache", "ingest_batch", "upsert_insert"]
 
 _SERIES_COLUMNS = "run_pk, rank, segment, stat_id, level, block, data"
 _STATUS_BY_EVENT = {"run_finished": "finished", "run_failed": "failed", "run_started": "running", "run_resumed": "running"}
@@ -52,41 +53,63 @@ _STATUS_BY_EVENT = {"run_finished": "finished", "run_failed": "failed", "run_sta
 @dataclass
 class WriteCache:
     """Facts that never change once committed (a run's primary key, a stat's id, that tensors
-    0..n-1 are defined), so every service process may cache them without coordination.
-    ``pending`` collects facts learnt inside the current transaction; the store publishes
-    them only after commit, so a rolled-back batch never leaves a stale entry."""
+    0..n-1 are defined), so every service process may cache them without coordination, and
+    roll-up tails. Each transaction learns into its own ``CacheTxn``; the store publishes it only
+    after commit, so a rolled-back batch never leaves a stale entry, and several writer threads
+    never see each other's uncommitted facts."""
 
     run_pks: dict[str, int] = field(default_factory=dict)
     stat_ids: dict[tuple[int, str], int] = field(default_factory=dict)
     tensors_defined: dict[int, int] = field(default_factory=dict)
     tails: OrderedDict[tuple[int, int], RollupTail] = field(default_factory=OrderedDict)
     """Per (run, rank): the newest roll-up rows this process wrote, valid only while the
-    rank's ``batches`` counter shows no other process wrote since (checked under the row lock)."""
+    rank's ``batches`` counter shows no other writer wrote since (checked under the row lock)."""
     max_tails: int = 256
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def begin(self) -> CacheTxn:
+        return CacheTxn(self)
+
+    def publish(self, txn: CacheTxn) -> None:
+        with self._lock:
+            for kind, key, value in txn.pending:
+                if kind == "tails":
+                    old = self.tails.get(key)
+                    if old is None or old.batches < value.batches:  # writers may publish out of order
+                        self.tails[key] = value
+                        self.tails.move_to_end(key)
+                    while len(self.tails) > self.max_tails:
+                        self.tails.popitem(last=False)
+                    continue
+                table: dict[Any, Any] = getattr(self, kind)
+                table[key] = max(value, table.get(key, value)) if kind == "tensors_defined" else value
+        txn.pending.clear()
+        txn.staged_tails.clear()
+
+
+@dataclass
+class CacheTxn:
+    """One transaction's view of the ``WriteCache``: reads go through, new facts wait in ``pending``."""
+
+    shared: WriteCache
     pending: list[tuple[str, Any, Any]] = field(default_factory=list)
     staged_tails: dict[tuple[int, int], RollupTail] = field(default_factory=dict)
-    """Tails written earlier in the current (group) transaction: visible to its later batches only."""
+    """Tails written earlier in this (group) transaction: visible to its later batches only."""
+
+    @property
+    def run_pks(self) -> dict[str, int]:
+        return self.shared.run_pks
+
+    @property
+    def stat_ids(self) -> dict[tuple[int, str], int]:
+        return self.shared.stat_ids
+
+    @property
+    def tensors_defined(self) -> dict[int, int]:
+        return self.shared.tensors_defined
 
     def tail(self, key: tuple[int, int]) -> RollupTail | None:
-        return self.staged_tails.get(key) or self.tails.get(key)
-
-    def discard(self) -> None:
-        """Forget what a rolled-back transaction learnt."""
-        self.pending.clear()
-        self.staged_tails.clear()
-
-    def publish(self) -> None:
-        for kind, key, value in self.pending:
-            if kind == "tails":
-                self.tails[key] = value
-                self.tails.move_to_end(key)
-                while len(self.tails) > self.max_tails:
-                    self.tails.popitem(last=False)
-                continue
-            table: dict[Any, Any] = getattr(self, kind)
-            table[key] = max(value, table.get(key, value)) if kind == "tensors_defined" else value
-        self.pending.clear()
-        self.staged_tails.clear()
+        return self.staged_tails.get(key) or self.shared.tails.get(key)
 
 
 @dataclass
@@ -103,7 +126,7 @@ def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
 
-def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: WriteCache) -> tuple[IngestResult, int]:
+def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheTxn) -> tuple[IngestResult, int]:
     """Store the batch in the caller's transaction; returns (result, run primary key)."""
     run_pk = cache.run_pks.get(batch.run_id)
     if run_pk is None:
@@ -225,7 +248,7 @@ def _define_tensors(conn: sa.Connection, run_pk: int, tensors: Sequence[TensorIn
                            loc=("body", "tensors", pos))
 
 
-def _check_tensor_coverage(conn: sa.Connection, run_pk: int, blocks: Sequence[StatBlock], cache: WriteCache) -> None:
+def _check_tensor_coverage(conn: sa.Connection, run_pk: int, blocks: Sequence[StatBlock], cache: CacheTxn) -> None:
     if not blocks:
         return
     needed = max(int(b.values.shape[2]) for b in blocks)
@@ -244,7 +267,7 @@ def _check_tensor_coverage(conn: sa.Connection, run_pk: int, blocks: Sequence[St
     cache.pending.append(("tensors_defined", run_pk, needed))
 
 
-def _stat_ids(conn: sa.Connection, run_pk: int, names: Iterable[str], cache: WriteCache) -> dict[str, int]:
+def _stat_ids(conn: sa.Connection, run_pk: int, names: Iterable[str], cache: CacheTxn) -> dict[str, int]:
     names = sorted(set(names))
     known = {n: cache.stat_ids[(run_pk, n)] for n in names if (run_pk, n) in cache.stat_ids}
     if len(known) == len(names):
