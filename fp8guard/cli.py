@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated
 
 import typer
 
 __all__ = ["app", "main"]
+
+SWITCH_INTERVAL_S = 0.0005
+"""``fp8guard serve``'s GIL switch interval (the default 5 ms showed in one agent's round trip: docs/benchmarks.md)."""
 
 app = typer.Typer(help="fp8guard: watch and heal FP8 training runs.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -64,6 +68,9 @@ def serve(
     except SchemaNotAtHead as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"fp8guard serving on http://{host}:{port} (database: {settings.database_url})", err=True)
+    # The request, ingest-writer and loop threads hand work to each other for every batch; with
+    # CPython's default 5 ms GIL switch interval each hand-off could wait that long.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(service, host=host, port=port, log_level=log_level)
 
 

@@ -53,8 +53,9 @@ _PENDING_SQL = ("SELECT id, kind, reason, payload FROM actions WHERE run_pk = ? 
 def pending_commands(conn: sa.Connection, pk: int) -> list[wire.Command]:
     """Commands the agent has not answered yet, oldest first (every ingest answer carries them)."""
     assert ActionStatus.PENDING == "pending"
-    return [wire.Command.from_json({**(sql.json_value(conn, r.payload) or {}), "id": int(r.id), "kind": r.kind,
-                                    "reason": r.reason}) for r in sql.fetch_all(conn, _PENDING_SQL, (pk,))]
+    return [wire.Command.from_json({**(sql.json_value(conn, payload) or {}), "id": int(cid), "kind": kind,
+                                    "reason": reason})
+            for cid, kind, reason, payload in sql.fetch_all(conn, _PENDING_SQL, (pk,))]
 
 
 def precision_list(conn: sa.Connection, pk: int) -> list[PrecisionRecord]:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import sqlalchemy as sa
@@ -175,12 +175,22 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
                         queue_id=queue_id, run_pk=run_pk), run_pk
 
 
-def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Any:
+class Progress(NamedTuple):
+    """A rank's progress as the batch found it (read under the rank's row lock)."""
+
+    last_step: int | None
+    last_segment: int
+    batches: int
+
+
+def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Progress:
     """Bump the rank's batch counter (taking its row lock until commit) and return its progress."""
     bump = ("UPDATE run_ranks SET batches = batches + 1, updated_at = ? WHERE run_pk = ? AND rank = ? "
             "RETURNING last_step, last_segment, batches")
     args = (sql.timestamp(conn, now), run_pk, rank)
     row = sql.fetch_one(conn, bump, args)
+    if row is not None:
+        return Progress(*row)
     if row is None:
         conn.execute(
             upsert_insert(conn)(SqlRunRank)
@@ -189,7 +199,8 @@ def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> An
             .on_conflict_do_nothing()
         )
         row = sql.fetch_one(conn, bump, args)
-    return row
+    assert row is not None
+    return Progress(*row)
 
 
 def _step_range(batch: Batch) -> tuple[int | None, int | None]:
@@ -201,7 +212,7 @@ def _step_range(batch: Batch) -> tuple[int | None, int | None]:
 
 
 def _touch_segment(
-    conn: sa.Connection, run_pk: int, batch: Batch, first: int | None, last: int | None, progress: sa.Row[Any]
+    conn: sa.Connection, run_pk: int, batch: Batch, first: int | None, last: int | None, progress: Progress
 ) -> bool:
     """Extend the segment's step range; return whether this batch may overwrite stored steps."""
     if first is None or last is None:
@@ -309,23 +320,12 @@ def _write_steps(conn: sa.Connection, run_pk: int, batch: Batch, *, overlap: boo
             for rec in batch.steps:
                 cp.write_row(_step_row(run_pk, batch, rec))
         return
-    # Plain driver SQL: this runs for every batch and SQLAlchemy's statement building showed in profiles.
-    mark = "%s" if conn.dialect.name == "postgresql" else "?"
-    updates = ", ".join(f"{c} = excluded.{c}" for c in _STEP_COLUMNS[4:])
-    sql = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) VALUES ({', '.join([mark] * len(_STEP_COLUMNS))}) "
-           f"ON CONFLICT (run_pk, rank, segment, step) DO UPDATE SET {updates}")
-    rows = [_step_row(run_pk, batch, rec) for rec in batch.steps]
-    _executemany(conn, sql, rows)
+    sql.run_many(conn, _UPSERT_STEPS, [_step_row(run_pk, batch, rec) for rec in batch.steps])
 
 
-def _executemany(conn: sa.Connection, sql: str, rows: list[tuple[Any, ...]]) -> None:
-    if conn.dialect.name == "postgresql":
-        raw = conn.connection.driver_connection
-        assert raw is not None
-        with raw.cursor() as cur:
-            cur.executemany(sql, rows)
-    else:
-        conn.exec_driver_sql(sql, rows)
+_UPSERT_STEPS = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) VALUES ({', '.join(['?'] * len(_STEP_COLUMNS))}) "
+                 f"ON CONFLICT (run_pk, rank, segment, step) DO UPDATE SET "
+                 f"{', '.join(f'{c} = excluded.{c}' for c in _STEP_COLUMNS[4:])}")
 
 
 def _write_block(
@@ -350,7 +350,7 @@ def _write_raw(
     steps: np.ndarray[Any, Any], *, overlap: bool,
 ) -> None:
     if conn.dialect.name != "postgresql":
-        conn.exec_driver_sql(f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+        sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
         return
     raw = conn.connection.driver_connection
     assert raw is not None
@@ -390,14 +390,14 @@ def _merge_rollups(
             if prev is None or prev[0] <= rows[-1][5]:
                 new_tail.last[(sid, level)] = (rows[-1][5], rows[-1][6])
     if conn.dialect.name == "postgresql":
-        _executemany(
+        sql.run_many(
             conn,
-            f"INSERT INTO tensor_series ({_SERIES_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s) "
+            f"INSERT INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?) "
             "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
             rows,
         )
     else:
-        conn.exec_driver_sql(f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+        sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
 
 
 def _existing_from_tail(
@@ -469,7 +469,7 @@ def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
 
 
 def _update_progress(
-    conn: sa.Connection, run_pk: int, batch: Batch, progress: sa.Row[Any], last_step: int | None, samples: int
+    conn: sa.Connection, run_pk: int, batch: Batch, progress: Progress, last_step: int | None, samples: int
 ) -> None:
     newer = last_step is not None and (
         progress.last_step is None
