@@ -46,13 +46,12 @@ def action_list(conn: sa.Connection, pk: int, *, limit: int = 1000) -> list[Acti
                          applied_step=r.applied_step, error=r.error) for r in rows]
 
 
-_PENDING_SQL = ("SELECT id, kind, reason, payload FROM actions WHERE run_pk = ? AND status = 'pending' "
+_PENDING_SQL = (f"SELECT id, kind, reason, payload FROM actions WHERE run_pk = ? AND status = '{ActionStatus.PENDING}' "
                 f"AND kind IN ({', '.join(repr(str(k)) for k in wire.CommandKind)}) ORDER BY id")
 
 
 def pending_commands(conn: sa.Connection, pk: int) -> list[wire.Command]:
     """Commands the agent has not answered yet, oldest first (every ingest answer carries them)."""
-    assert ActionStatus.PENDING == "pending"
     return [wire.Command.from_json({**(sql.json_value(conn, payload) or {}), "id": int(cid), "kind": kind,
                                     "reason": reason})
             for cid, kind, reason, payload in sql.fetch_all(conn, _PENDING_SQL, (pk,))]

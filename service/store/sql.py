@@ -1,12 +1,11 @@
 """Plain driver SQL for the statements every batch runs, on both backends.
 
-Building a SQLAlchemy Core statement and its cache key costs 50-100 us in Python, and even
-``exec_driver_sql`` spends about 100 us setting up its execution context and result, more than
+Building a SQLAlchemy Core statement and its cache key costs 50-100 us in Python, more than
 SQLite takes to run such a statement; the ingest path and the loop's pass run about fifteen
 statements per batch. Those few are written once as SQL text with ``?`` placeholders (turned
-into ``%s`` for psycopg) and run on the driver's own cursor, inside the SQLAlchemy connection's
-transaction. Rows come back as plain tuples (``fetch_row`` names their columns). Driver errors
-are translated by ``Store._session`` like SQLAlchemy's. Everything else uses SQLAlchemy.
+into ``%s`` for psycopg) and run with ``exec_driver_sql``, which skips statement compilation but
+keeps SQLAlchemy's error translation and events (the database-error metric counts them). Rows
+come back as plain tuples. Everything else uses SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -27,48 +26,24 @@ def _for(dialect: str, sql: str) -> str:
     return sql.replace("?", "%s") if dialect == "postgresql" else sql
 
 
-def _cursor(conn: sa.Connection) -> Any:
-    raw = conn.connection.driver_connection
-    assert raw is not None
-    return raw.cursor()
-
-
 def run(conn: sa.Connection, sql: str, params: Sequence[Any] = ()) -> None:
-    cur = _cursor(conn)
-    try:
-        cur.execute(_for(conn.dialect.name, sql), tuple(params))
-    finally:
-        cur.close()
+    conn.exec_driver_sql(_for(conn.dialect.name, sql), tuple(params))
 
 
 def run_many(conn: sa.Connection, sql: str, rows: Sequence[Sequence[Any]]) -> None:
     """One statement over many parameter rows (psycopg pipelines them)."""
     if not rows:
         return
-    cur = _cursor(conn)
-    try:
-        cur.executemany(_for(conn.dialect.name, sql), rows)
-    finally:
-        cur.close()
+    conn.exec_driver_sql(_for(conn.dialect.name, sql), [tuple(r) for r in rows])
 
 
 def fetch_one(conn: sa.Connection, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-    cur = _cursor(conn)
-    try:
-        cur.execute(_for(conn.dialect.name, sql), tuple(params))
-        row = cur.fetchone()
-        return None if row is None else tuple(row)
-    finally:
-        cur.close()
+    row = conn.exec_driver_sql(_for(conn.dialect.name, sql), tuple(params)).first()
+    return None if row is None else tuple(row)
 
 
 def fetch_all(conn: sa.Connection, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-    cur = _cursor(conn)
-    try:
-        cur.execute(_for(conn.dialect.name, sql), tuple(params))
-        return [tuple(r) for r in cur.fetchall()]
-    finally:
-        cur.close()
+    return [tuple(r) for r in conn.exec_driver_sql(_for(conn.dialect.name, sql), tuple(params)).all()]
 
 
 def timestamp(conn: sa.Connection, when: datetime) -> datetime | str:
