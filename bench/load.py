@@ -14,7 +14,7 @@ Afterwards every run's stored ``samples`` and ``ranks[].batches`` (``GET /v1/run
 are compared with what the answers acknowledged (``stored_equals_acked``). ``--decisions K``
 probes, spread over the load, each register a run, send a healthy batch, long-poll
 ``/v1/runs/{id}/commands?wait=10`` (or poll it every 5 ms where ``wait`` is ignored) and send a
-batch whose last loss is NaN: the decision latency is from that batch's answer to the first
+batch whose last loss is NaN and one of whose amaxes is infinite: the decision latency is from that batch's answer to the first
 non-empty command list (0 and counted ``in_answer`` when the answer itself carried it).
 
     python bench/load.py --agents 50 --rate 1 --duration 30 --json
@@ -86,12 +86,20 @@ class Batches:
         now, g = time.time(), self.rng.gauss
         rows = [{"step": s, "time": now, "loss": 2.5 + 0.01 * g(0, 1), "grad_norm": 1.0 + 0.05 * g(0, 1),
                  "lr": 3e-4} for s in steps]
+        data = self.blocks[k % VARIANTS]
         if nan_last:
+            # A NaN loss and, on the same step, an infinite amax in one tensor: FP8 evidence, so the
+            # service's answer is a BF16 fallback of that module (a NaN alone, with no checkpoint
+            # to roll back to, pages a person instead).
             rows[-1]["loss"] = math.nan  # make_batch sends it as "NaN"
+            values = np.frombuffer(wire.decode_f32(data), dtype="<f4").reshape(
+                self.steps, len(self.stats), self.n_tensors).copy()
+            values[-1, 0, 0] = np.inf
+            data = wire.encode_f32(values.tobytes())
         payload = wire.make_batch(
             run_id=run_id, tensors=self.table if with_tensors else (), steps=rows,
             tensor_stats=[{"stats": self.stats, "steps": steps, "n_tensors": self.n_tensors, "dtype": "<f4",
-                           "data": self.blocks[k % VARIANTS]}])
+                           "data": data}])
         return wire.gzip_body(wire.dumps(payload))
 
 

@@ -81,6 +81,8 @@ class RunDetail:
     ranks: list[RankProgress]
     num_tensors: int
     stats: list[str]
+    guard: dict[str, Any] | None = None
+    """The run's detection and policy overrides, as registered."""
 
 
 @dataclass(frozen=True, slots=True)

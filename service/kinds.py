@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from fp8guard.wire import AckStatus, CommandKind
 
-__all__ = ["COMMAND_ACTIONS", "FP8_RULES", "ROLLBACK_RULES", "ActionKind", "ActionStatus", "Precision", "Rule",
+__all__ = ["COMMAND_ACTIONS", "DIVERGENCE_RULES", "FP8_RULES", "ROLLBACK_RULES", "ActionKind", "ActionStatus", "Precision", "Rule",
            "Severity"]
 
 
@@ -26,11 +26,19 @@ class Rule(StrEnum):
     """Detection rules (``service/loop/detector.py``); ``docs/closed-loop.md`` describes each."""
 
     NONFINITE = "nonfinite"
+    LOSS_DIVERGENCE = "loss_divergence"
+    """Before the spike rules have a baseline: the loss stays above the run's first loss."""
+    GRAD_DIVERGENCE = "grad_divergence"
+    """Before the spike rules have a baseline: the gradient norm stays far above its smallest value."""
     LOSS_SPIKE = "loss_spike"
     GRAD_NORM_SPIKE = "grad_norm_spike"
     INF_AMAX = "inf_amax"
     SATURATION = "saturation"
+    SATURATION_SPIKE = "saturation_spike"
+    """One step far over the FP8 maximum (an outlier): reported at that step, alert only."""
     AMAX_GROWTH = "amax_growth"
+    AMAX_RAMP = "amax_ramp"
+    """A steady multiplicative climb of a tensor's amax: alert only."""
     STALE_SCALE = "stale_scale"
     UNDERFLOW_GROWTH = "underflow_growth"
 
@@ -38,8 +46,11 @@ class Rule(StrEnum):
 FP8_RULES: frozenset[Rule] = frozenset({Rule.SATURATION, Rule.AMAX_GROWTH, Rule.INF_AMAX, Rule.STALE_SCALE})
 """FP8 numerics that implicate modules: the evidence a BF16 fallback needs, and what delays a
 module's re-promotion."""
-ROLLBACK_RULES: frozenset[Rule] = frozenset({Rule.LOSS_SPIKE, Rule.NONFINITE})
+ROLLBACK_RULES: frozenset[Rule] = frozenset({Rule.LOSS_SPIKE, Rule.NONFINITE, Rule.LOSS_DIVERGENCE,
+                                              Rule.GRAD_DIVERGENCE})
 """Findings that ask for a rollback (plus critical gradient-norm spikes)."""
+DIVERGENCE_RULES: frozenset[Rule] = frozenset({Rule.LOSS_DIVERGENCE, Rule.GRAD_DIVERGENCE})
+"""Divergence from the start: the rollback also lowers the learning rate for good."""
 
 
 class ActionKind(StrEnum):

@@ -32,6 +32,14 @@ class GuardConfig(BaseModel):
     """Robust z-score ((x - median) / (1.4826 * MAD)) a loss must exceed to be a spike."""
     loss_min_rise: float = Field(default=0.25, ge=0)
     """...and the loss must also be this fraction above the median (noise-free runs have tiny MAD)."""
+    early_loss_rise: float = Field(default=0.05, gt=0)
+    """Before ``warmup_steps`` losses were seen: a loss this fraction above the run's first loss
+    for ``early_steps`` steps in a row is divergence (a healthy run's loss only falls from its
+    first value; 5 % and three steps keep a noisy fine-tuning start from tripping it)."""
+    early_grad_factor: float = Field(default=10.0, gt=1)
+    """Before the gradient-norm baseline exists: a norm this many times its smallest value so
+    far, for ``early_steps`` steps in a row, is a blow-up."""
+    early_steps: int = Field(default=3, ge=1)
     grad_z: float = Field(default=12.0, gt=0)
     grad_min_rise: float = Field(default=2.0, ge=0)
     """A gradient-norm spike must at least triple the median (1 + 2.0)."""
@@ -42,10 +50,29 @@ class GuardConfig(BaseModel):
     """Backward (E5M2) saturation ratio counted as real clipping (healthy runs: up to ~4)."""
     saturation_steps: int = Field(default=10, ge=1)
     """Consecutive steps a tensor must stay over its threshold: one-step overshoots are normal."""
+    saturation_spike_fwd: float = Field(default=8.0, gt=1)
+    saturation_spike_bwd: float = Field(default=32.0, gt=1)
+    """A single step over these ratios is a ``saturation_spike`` finding at that step (alert
+    only): far above the routine 1.0-1.2 forward and ~4 backward, and what a one-step outlier
+    that delayed scaling has not caught up with yet looks like (a weight row x64 gave 40x)."""
     amax_growth_factor: float = Field(default=8.0, gt=1)
     """Outlier amplification: fast amax average over slow average (both in log2)."""
     amax_growth_steps: int = Field(default=5, ge=1)
     amax_growth_warmup: int = Field(default=50, ge=1)
+    ramp_alpha: float = Field(default=1 / 16, gt=0, lt=1)
+    ramp_min_step: float = Field(default=0.02, gt=0)
+    ramp_rising: float = Field(default=0.8, gt=0.5, lt=1)
+    ramp_steps: int = Field(default=5, ge=1)
+    """``amax_ramp`` (alert only): averaged with weight ``ramp_alpha``, the amax grows at least
+    ``ramp_min_step`` per step and rises on at least ``ramp_rising`` of the steps, for
+    ``ramp_steps`` steps in a row after ``amax_growth_warmup`` measured steps. A 3 %-per-step ramp
+    is flagged about 30 steps after it starts; the fast/slow ``amax_growth`` rule needs ~160."""
+    divergence_lr_scale: float = Field(default=0.5, gt=0, le=1)
+    """A rollback for divergence from the start (``loss_divergence``, ``grad_divergence``)
+    multiplies the learning rate by this for the rest of the run."""
+    after_effect_steps: int = Field(default=200, ge=0)
+    """FP8 findings within this many steps after a loss or gradient event that came first are
+    its after-effects (a blown-up update inflates amaxes and pins scales): alerts, not fallbacks."""
     stale_scale_factor: float = Field(default=256.0, gt=1)
     """Scale pinned by a past outlier: the amax history's maximum (which sets a delayed-scaling
     scale under ``max``) is at least this many times the tensor's current amax..."""

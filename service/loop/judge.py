@@ -19,10 +19,10 @@ from typing import Any
 
 from fp8guard.service.alerts.config import AlertSettings
 from fp8guard.service.alerts.from_decisions import alert_rows
-from fp8guard.service.domain import Batch, Decision, QueuedBatch
-from fp8guard.service.kinds import ActionKind, ActionStatus, Precision
+from fp8guard.service.domain import Batch, Decision, Finding, QueuedBatch
+from fp8guard.service.kinds import ROLLBACK_RULES, ActionKind, ActionStatus, Precision, Rule
 from fp8guard.service.loop.config import GuardConfig
-from fp8guard.service.loop.detector import Detector, TensorMeta
+from fp8guard.service.loop.detector import FP8_MAX, Detector, TensorMeta
 from fp8guard.service.loop.policy import RunView, decide, promotions
 from fp8guard.service.store.loop_state import LoopTxn, TensorRow
 
@@ -42,7 +42,8 @@ class PassResult:
 
 def tensor_metas(rows: Sequence[TensorRow]) -> list[TensorMeta]:
     return [TensorMeta(name=r.name, module=r.module or r.name.split(":")[0],
-                       backward=(r.role or "").startswith("bwd") or (r.fp8_format or "") == "e5m2") for r in rows]
+                       backward=(r.role or "").startswith("bwd") or (r.fp8_format or "") == "e5m2",
+                       fp8_max=FP8_MAX.get((r.fp8_format or "").lower())) for r in rows]
 
 
 class Judge:
@@ -78,19 +79,23 @@ class Judge:
             findings = detector.observe(batch.steps, batch.blocks)
             last_step[q.rank] = max(last_step.get(q.rank, q.last_step), q.last_step)
             finding_ids = txn.add_findings(q.rank, q.segment, findings)
+            if findings or remediating:
+                # Decide step by step, as if every step had come alone: the same decisions at the
+                # same steps whatever the batching (findings of a step, then promotions falling due).
+                for at in _decision_points(txn, q, findings, metas, cfg, remediating):
+                    unconfirmed = self._confirm_checkpoints(txn, unconfirmed, at, cfg)
+                    group = [i for i, f in enumerate(findings) if f.step == at]
+                    view = _view(txn, at, metas)
+                    stored: list[tuple[int, Decision, int]] = []
+                    for d in decide([findings[i] for i in group], view, cfg) + promotions(view, cfg):
+                        status = _status(d, cfg)
+                        action_id = txn.add_action(d, status, [finding_ids[group[j]] for j in d.findings], at)
+                        stored.append((action_id, d, at))
+                        if status is ActionStatus.PENDING:
+                            commands += 1
+                            remediating |= d.kind in (ActionKind.FALLBACK, ActionKind.PROMOTE)
+                    txn.enqueue_alerts(alert_rows(self.alerts, run_id, stored, txn.now))
             unconfirmed = self._confirm_checkpoints(txn, unconfirmed, q.last_step, cfg)
-            if not findings and not remediating:
-                continue
-            view = _view(txn, q, metas)
-            stored: list[tuple[int, Decision, int]] = []
-            for d in decide(findings, view, cfg) + promotions(view, cfg):
-                status = _status(d, cfg)
-                action_id = txn.add_action(d, status, [finding_ids[i] for i in d.findings], q.last_step)
-                stored.append((action_id, d, q.last_step))
-                if status is ActionStatus.PENDING:
-                    commands += 1
-                    remediating |= d.kind in (ActionKind.FALLBACK, ActionKind.PROMOTE)
-            txn.enqueue_alerts(alert_rows(self.alerts, run_id, stored, txn.now))
         for rank, detector in detectors.items():
             txn.save_detector_state(rank, detector.state_dict(), last_step[rank])
         txn.done([q.queue_id for q in queued])
@@ -129,8 +134,11 @@ class Judge:
         ripe = [c for c in unconfirmed if c[2] + cfg.known_good_after_steps <= step]
         if not ripe:
             return unconfirmed
+        # Judged as at the step it ripened: findings of later steps (later in the same batch) do
+        # not count, so the mark does not depend on how the telemetry was batched.
         good = [c for c in ripe if not txn.troubled_between(c[2] - cfg.rollback_margin_steps,
-                                                            c[2] + cfg.known_good_after_steps)]
+                                                            c[2] + cfg.known_good_after_steps,
+                                                            seen_by=c[2] + cfg.known_good_after_steps)]
         txn.mark_known_good(good)
         return [c for c in unconfirmed if c not in ripe]
 
@@ -142,10 +150,31 @@ def _status(d: Decision, cfg: GuardConfig) -> ActionStatus:
     return ActionStatus.RECOMMENDED if cfg.dry_run else ActionStatus.PENDING
 
 
-def _view(txn: LoopTxn, q: QueuedBatch, metas: Sequence[TensorMeta]) -> RunView:
-    v = txn.view_inputs()
+_ROLLBACK_RULES = [str(r) for r in Rule if r in ROLLBACK_RULES or r is Rule.GRAD_NORM_SPIKE]
+
+
+def _view(txn: LoopTxn, step: int, metas: Sequence[TensorMeta]) -> RunView:
+    v = txn.view_inputs(_ROLLBACK_RULES)
     bf16 = {m: since for m, (p, since) in v.precision.items() if p is not Precision.FP8}
-    return RunView(step=q.last_step, modules=sorted({m.module for m in metas}), bf16=bf16,
+    return RunView(step=step, modules=sorted({m.module for m in metas}), bf16=bf16,
                    rollback_pending=v.rollback_pending, known_good=v.known_good,
                    recent_rollbacks=v.recent_rollbacks, last_finding_step=v.last_fp8_finding, pinned=v.pinned,
-                   pending=v.pending_modules, whole_model_pending=v.whole_model_pending)
+                   pending=v.pending_modules, whole_model_pending=v.whole_model_pending, checkpoints=v.checkpoints,
+                   last_loss_event=_before(v.last_loss_event, step), last_page=v.last_page)
+
+
+def _before(event: int | None, step: int) -> int | None:
+    return event if event is not None and event <= step else None
+
+
+def _decision_points(txn: LoopTxn, q: QueuedBatch, findings: Sequence[Finding], metas: Sequence[TensorMeta],
+                     cfg: GuardConfig, remediating: bool) -> list[int]:
+    """The steps of a batch at which the policy is asked: each step with findings, and (while
+    modules are off FP8) the steps at which a re-promotion falls due, else the batch's last."""
+    points = {f.step for f in findings}
+    if remediating:
+        view = _view(txn, q.first_step, metas)
+        due = {max(since, view.last_finding_step.get(m, since)) + cfg.promote_after_steps
+               for m, since in view.bf16.items() if m not in view.pinned and m not in view.pending}
+        points |= {d for d in due if q.first_step <= d <= q.last_step} or {q.last_step}
+    return sorted(points)

@@ -1,14 +1,22 @@
 """Policy: from findings and the run's situation to auditable decisions (pure functions).
 
+Cause before cure: a fallback needs FP8 evidence on the modules it names, and FP8 findings that
+follow a loss or gradient event are its after-effects, not its cause.
+
 - FP8 numerics implicating some modules (saturation, amax growth, inf amax, a scale pinned by a
   past outlier): BF16 fallback of those modules, or of the whole model when at least
-  ``widespread_fraction`` are implicated; their re-promotion later resets the FP8 state.
-- Loss spike, non-finite loss or gradient norm: rollback to the newest known-good checkpoint at
-  least ``rollback_margin_steps`` before the onset, skipping the bad window's batches plus
-  ``skip_batches`` (PaLM: restart ~100 steps before the spike, skip 200-500 batches).
+  ``widespread_fraction`` are implicated; their re-promotion later resets the FP8 state. Not
+  when they began after a loss or gradient event of the last ``after_effect_steps`` (or while a
+  rollback is pending): then they are alerts.
+- Loss spike, non-finite loss or gradient norm, divergence from the start: rollback to the
+  newest known-good checkpoint at least ``rollback_margin_steps`` before the onset (else the
+  newest checkpoint saved that early; for divergence from the start, the earliest), skipping the
+  bad window's batches plus ``skip_batches`` (PaLM: restart ~100 steps before the spike, skip
+  200-500 batches); divergence also lowers the learning rate for good. With no checkpoint to go
+  back to: a page, never a fallback (BF16 does not cure bad data or a learning rate).
 - ``escalate_rollbacks`` rollbacks within ``escalate_window_steps``: whole-model BF16 and a page.
 - Modules in BF16 for ``promote_after_steps`` clean steps: re-promotion with fresh FP8 state.
-- Underflow growth and warnings without modules: alert only.
+- Underflow growth, one-step saturation spikes, amax ramps, warnings without modules: alerts.
 """
 
 from __future__ import annotations
@@ -17,10 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fp8guard.service.domain import Decision, Finding
-from fp8guard.service.kinds import FP8_RULES, ROLLBACK_RULES, ActionKind, Rule, Severity
+from fp8guard.service.kinds import DIVERGENCE_RULES, FP8_RULES, ROLLBACK_RULES, ActionKind, Rule, Severity
 from fp8guard.service.loop.config import GuardConfig
 
-__all__ = ["RunView", "decide", "promotions"]
+__all__ = ["FOR_GOOD", "RunView", "decide", "is_rollback_finding", "promotions"]
+
+FOR_GOOD = 2**31 - 1
+"""``lr_scale_steps`` of a rollback that lowers the learning rate for the rest of the run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +54,12 @@ class RunView:
     """Modules with a switch command the agent has not answered yet -> its kind."""
     whole_model_pending: bool = False
     """A whole-model fallback waits for the agent."""
+    checkpoints: Sequence[int] = ()
+    """Every checkpoint step of the current timeline, known-good or not yet."""
+    last_loss_event: int | None = None
+    """Onset step of the latest loss or gradient finding (a rollback's cause) before this decision."""
+    last_page: int | None = None
+    """Step of the latest page: one page per incident, whatever the number of ranks reporting it."""
 
     def off_fp8(self, module: str) -> bool:
         """In BF16, or on its way there: a fallback would order nothing new."""
@@ -53,26 +70,51 @@ class RunView:
         return self.whole_model_pending or (bool(self.modules) and all(self.off_fp8(m) for m in self.modules))
 
 
+def is_rollback_finding(f: Finding) -> bool:
+    return f.rule in ROLLBACK_RULES or (f.rule is Rule.GRAD_NORM_SPIKE and f.severity is Severity.CRITICAL)
+
+
 def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list[Decision]:
     out: list[Decision] = []
-    rollback = [i for i, f in enumerate(findings) if f.rule in ROLLBACK_RULES
-                or (f.rule is Rule.GRAD_NORM_SPIKE and f.severity is Severity.CRITICAL)]
+    rollback = [i for i, f in enumerate(findings) if is_rollback_finding(f)]
     numerics = [i for i, f in enumerate(findings) if f.rule in FP8_RULES]
+    cause = min((findings[i].onset_step for i in rollback), default=None)
+    after: list[int] = []
+    for i in numerics:
+        if _after_effect(findings[i], view, cause, cfg):
+            after.append(i)
+    numerics = [i for i in numerics if i not in after]
     if rollback and not view.rollback_pending:
-        out += _rollback(findings, rollback, view, cfg)
+        out += _rollback(findings, rollback, view, cfg, fp8_evidence=bool(numerics))
     if numerics:
         out += _fallback(findings, numerics, view, cfg, already=out)
     for i, f in enumerate(findings):
-        if i not in rollback and i not in numerics:
+        if i in after:
+            event = cause if cause is not None and f.onset_step >= cause else view.last_loss_event
+            out.append(Decision(kind=ActionKind.ALERT, rule=f.rule, findings=(i,), severity=f.severity, reason=(
+                f"{f.explanation} It began after the loss/gradient event of step {event}: an after-effect, so no "
+                "fallback (the rollback is the cure).")))
+        elif i not in rollback and i not in numerics:
             out.append(Decision(kind=ActionKind.ALERT, reason=f.explanation, rule=f.rule, findings=(i,),
                                 severity=f.severity))
     return out
 
 
-def _rollback(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: GuardConfig) -> list[Decision]:
+def _after_effect(f: Finding, view: RunView, cause: int | None, cfg: GuardConfig) -> bool:
+    """An FP8 finding that began after a loss or gradient event (this batch's or a recent one),
+    or while its rollback is pending, is that event's after-effect."""
+    if view.rollback_pending:
+        return True
+    events = [e for e in (cause, view.last_loss_event) if e is not None]
+    return any(e <= f.onset_step <= e + cfg.after_effect_steps for e in events)
+
+
+def _rollback(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: GuardConfig, *,
+              fp8_evidence: bool) -> list[Decision]:
     onset = min(findings[i].onset_step for i in idx)
     spike = max(findings[i].step for i in idx)
     first = findings[idx[0]]
+    diverging = any(findings[i].rule in DIVERGENCE_RULES for i in idx)
     window = [s for s in view.recent_rollbacks if view.step - s <= cfg.escalate_window_steps]
     if len(window) + 1 > cfg.escalate_rollbacks:
         reason = (f"{len(window)} rollbacks within {cfg.escalate_window_steps} steps and trouble again at step "
@@ -82,21 +124,45 @@ def _rollback(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: G
             out.insert(0, Decision(kind=ActionKind.FALLBACK, reason=reason, modules=None, escalation=True,
                                    findings=tuple(idx), severity=Severity.CRITICAL))
         return out
-    candidates = [s for s in view.known_good if s <= onset - cfg.rollback_margin_steps]
-    if not candidates:
-        if view.all_off_fp8():
-            return []  # the whole model is (being) switched already: one decision per incident
-        reason = (f"{first.explanation} No known-good checkpoint at least {cfg.rollback_margin_steps} steps before "
-                  f"step {onset}, so the whole model falls back to BF16 instead of rolling back.")
-        return [Decision(kind=ActionKind.FALLBACK, reason=reason, modules=None, findings=tuple(idx),
-                         severity=Severity.CRITICAL)]
-    ckpt = max(candidates)
+    ckpt, how = _checkpoint(view, onset, cfg, earliest=diverging)
+    if ckpt is None:
+        if view.last_page is not None and 0 <= onset - view.last_page <= cfg.cooldown_steps:
+            return []  # this incident already paged someone (another rank's report of it)
+        reason = (f"{first.explanation} There is no checkpoint from before step {onset} to roll back to, and BF16 "
+                  "would not cure it: paging a human." + ("" if not fp8_evidence else
+                                                        " FP8 findings of this window are handled on their own."))
+        return [Decision(kind=ActionKind.PAGE, reason=reason, findings=tuple(idx), severity=Severity.CRITICAL)]
     skip = (spike - ckpt) + cfg.skip_batches
-    reason = (f"{first.explanation} Rolling back to the known-good checkpoint of step {ckpt} "
-              f"({onset - ckpt} steps before the onset) and skipping {skip} batches.")
+    cause = ("" if fp8_evidence else
+             " No FP8 anomaly in the window: a data or optimisation event, so the bad batches are skipped"
+             " and FP8 stays on.")
+    lr_scale, lr_steps = cfg.rollback_lr_scale, cfg.rollback_lr_steps
+    if diverging:
+        lr_scale, lr_steps = min(lr_scale, cfg.divergence_lr_scale), FOR_GOOD
+        cause += f" The run diverged from the start: the learning rate is multiplied by {lr_scale:g} for good."
+    reason = (f"{first.explanation} Rolling back to the {how} of step {ckpt} ({onset - ckpt} steps before the "
+              f"onset) and skipping {skip} batches (the {spike - ckpt} from there to step {spike} and "
+              f"{cfg.skip_batches} more).{cause}")
     return [Decision(kind=ActionKind.ROLLBACK, reason=reason, checkpoint_step=ckpt, skip_batches=skip,
-                     onset_step=onset, spike_step=spike, lr_scale=cfg.rollback_lr_scale,
-                     lr_scale_steps=cfg.rollback_lr_steps, findings=tuple(idx), severity=Severity.CRITICAL)]
+                     onset_step=onset, spike_step=spike, lr_scale=lr_scale, lr_scale_steps=lr_steps,
+                     findings=tuple(idx), severity=Severity.CRITICAL)]
+
+
+def _checkpoint(view: RunView, onset: int, cfg: GuardConfig, *, earliest: bool) -> tuple[int | None, str]:
+    """Where to roll back to: a known-good checkpoint at least the margin before the onset; else
+    a checkpoint saved that early (not confirmed yet: nothing was wrong then either); divergence
+    from the start goes back to the earliest."""
+    good = [s for s in view.known_good if s <= onset - cfg.rollback_margin_steps]
+    early = [s for s in view.checkpoints if s <= onset - cfg.rollback_margin_steps]
+    if earliest:
+        before = [s for s in view.checkpoints if s <= onset]
+        if before:
+            return min(before), ("known-good checkpoint" if min(before) in view.known_good else "earliest checkpoint")
+    if good:
+        return max(good), "known-good checkpoint"
+    if early:
+        return max(early), "checkpoint"
+    return None, ""
 
 
 def _fallback(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: GuardConfig,

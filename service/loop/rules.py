@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Spike", "amax_growth", "amax_growth_block", "consecutive", "robust_spike"]
+__all__ = ["Spike", "amax_growth", "amax_growth_block", "amax_growth_steps", "consecutive", "ramp_steps", "robust_spike"]
 
 F64 = npt.NDArray[np.float64]
 F32 = npt.NDArray[np.float32]
@@ -115,3 +115,57 @@ def amax_growth_block(fast: npt.NDArray[np.floating[Any]], slow: npt.NDArray[np.
             out[lo:hi] = p * (y0[None, :] + np.cumsum(w * log_amax[lo:hi] / p, axis=0))
         fast, slow = out_fast[hi - 1], out_slow[hi - 1]
     return out_fast, out_slow, (seen[None, :] + counts).astype(np.int64)
+
+
+def amax_growth_steps(fast: npt.NDArray[np.floating[Any]], slow: npt.NDArray[np.floating[Any]], seen: I64,
+                      amax: npt.NDArray[np.floating[Any]], *, alpha_fast: float = 0.2,
+                      alpha_slow: float = 0.01) -> tuple[F32, F32, I64]:
+    """:func:`amax_growth` over a (steps, tensors) block, one step at a time in float32: the
+    same arithmetic whatever the batch boundaries, so findings never depend on how telemetry was
+    batched. Returns the per-step trajectories of the fast and slow averages and of ``seen``.
+
+    A step that measured no amax (zero or non-finite: a module in BF16) leaves the averages as
+    they are and resets ``seen``: when the tensor is measured again its averages restart from
+    that value, so growth is judged against its own FP8 period.
+    """
+    amax = amax.astype(np.float32, copy=False)
+    ok = np.isfinite(amax) & (amax > 0)
+    log_amax = np.log2(np.where(ok, amax, np.float32(1.0))).astype(np.float32)
+    af, asl = np.float32(alpha_fast), np.float32(alpha_slow)
+    f, s, n = fast.astype(np.float32), slow.astype(np.float32), seen.astype(np.int64)
+    out_f = np.empty_like(log_amax)
+    out_s = np.empty_like(log_amax)
+    out_n = np.empty(amax.shape, dtype=np.int64)
+    for t in range(amax.shape[0]):
+        x, m = log_amax[t], ok[t]
+        start = m & (n == 0)
+        f = np.where(start, x, np.where(m, f + af * (x - f), f))
+        s = np.where(start, x, np.where(m, s + asl * (x - s), s))
+        n = np.where(m, n + 1, 0)
+        out_f[t], out_s[t], out_n[t] = f, s, n
+    return out_f, out_s, out_n
+
+
+def ramp_steps(last_log: F32, drift: F32, rising: F32, amax: npt.NDArray[np.floating[Any]], *,
+               alpha: float) -> tuple[F32, F32, F32]:
+    """A steady climb of a tensor's amax, one step at a time: exponential averages (weight
+    ``alpha``) of the step-to-step change of log2(amax) (``drift``) and of whether it rose
+    (``rising``). A multiplicative ramp of a few % per step drives both up within ~1/alpha steps;
+    noise keeps ``rising`` near one half. Unmeasured steps leave the averages as they are and
+    restart the chain. Returns per-step trajectories of (last log2 amax, drift, rising).
+    """
+    amax = amax.astype(np.float32, copy=False)
+    ok = np.isfinite(amax) & (amax > 0)
+    log_amax = np.log2(np.where(ok, amax, np.float32(1.0))).astype(np.float32)
+    a = np.float32(alpha)
+    last, d, r = last_log.astype(np.float32), drift.astype(np.float32), rising.astype(np.float32)
+    out_last, out_d, out_r = (np.empty_like(log_amax) for _ in range(3))
+    for t in range(amax.shape[0]):
+        x, m = log_amax[t], ok[t]
+        step_ok = m & np.isfinite(last)
+        delta = np.where(step_ok, x - last, np.float32(0.0))
+        d = np.where(step_ok, d + a * (delta - d), d)
+        r = np.where(step_ok, r + a * ((delta > 0).astype(np.float32) - r), r)
+        last = np.where(m, x, np.float32(np.nan))
+        out_last[t], out_d[t], out_r[t] = last, d, r
+    return out_last, out_d, out_r

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
 from fp8guard.service.deps import ChannelDep, SettingsDep, StoreDep
+from fp8guard.service.loop.config import GuardConfig
 from fp8guard.service.queries.runs import RunId
 from fp8guard.service.schemas import ActionOut, CheckpointOut, CommandOut, FindingOut, PrecisionOut
 
@@ -18,6 +19,14 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/runs", tags=["closed loop"])
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "Unknown run"}}
+
+
+@router.get("/{run_id}/guard", response_model=GuardConfig, responses=_NOT_FOUND,
+            summary="The run's detection thresholds and policy: every default, with its overrides applied")
+def guard(run_id: RunId, store: StoreDep) -> GuardConfig:
+    """What the closed loop judges this run with (``PUT /v1/runs/{run_id}`` with ``{"guard": {...}}``
+    sets overrides; the defaults and their reasons are in ``docs/closed-loop.md``)."""
+    return GuardConfig.model_validate(store.run(run_id).guard or {})
 
 
 @router.get("/{run_id}/findings", response_model=list[FindingOut], responses=_NOT_FOUND,

@@ -57,8 +57,9 @@ class TensorRow:
 class ViewInputs:
     """The run's situation the policy weighs, read in the pass's transaction."""
 
-    __slots__ = ("known_good", "last_fp8_finding", "pending_modules", "pinned", "precision", "recent_rollbacks",
-                 "rollback_pending", "whole_model_pending")
+    __slots__ = ("checkpoints", "known_good", "last_fp8_finding", "last_loss_event", "last_page", "pending_modules",
+                 "pinned",
+                 "precision", "recent_rollbacks", "rollback_pending", "whole_model_pending")
 
     def __init__(self) -> None:
         self.precision: dict[str, tuple[Precision, int]] = {}
@@ -71,7 +72,12 @@ class ViewInputs:
         self.rollback_pending = False
         self.recent_rollbacks: list[int] = []
         self.known_good: list[int] = []
+        self.checkpoints: list[int] = []
+        """Every checkpoint step of the current timeline (known-good or not yet)."""
         self.last_fp8_finding: dict[str, int] = {}
+        self.last_loss_event: int | None = None
+        """Onset of the latest finding of a rollback rule."""
+        self.last_page: int | None = None
 
 
 class LoopTxn:
@@ -182,11 +188,11 @@ class LoopTxn:
             self.conn, "SELECT rank, segment, step FROM checkpoints WHERE run_pk = ? AND NOT known_good AND step <= ?",
             (self.run_pk, up_to_step))]
 
-    def troubled_between(self, first: int, last: int) -> bool:
-        """Whether a warning or critical finding has its onset in [first, last]."""
+    def troubled_between(self, first: int, last: int, *, seen_by: int) -> bool:
+        """Whether a warning or critical finding made by step ``seen_by`` has its onset in [first, last]."""
         return bool(self.conn.scalar(sa.select(sa.func.count()).select_from(SqlFinding).where(
             SqlFinding.run_pk == self.run_pk, SqlFinding.severity.in_((Severity.WARNING, Severity.CRITICAL)),
-            SqlFinding.onset_step.between(first, last))))
+            SqlFinding.onset_step.between(first, last), SqlFinding.step <= seen_by)))
 
     def mark_known_good(self, checkpoints: Sequence[tuple[int, int, int]]) -> None:
         ck = SqlCheckpoint
@@ -202,7 +208,7 @@ class LoopTxn:
             (self.run_pk, str(Precision.FP8), self.run_pk, str(ActionStatus.PENDING), *map(str, _SWITCHES)))
         return bool(row and row[0])
 
-    def view_inputs(self) -> ViewInputs:
+    def view_inputs(self, rollback_rules: Iterable[str]) -> ViewInputs:
         v = ViewInputs()
         lp, a = SqlLayerPrecision, SqlAction
         for r in self.conn.execute(sa.select(lp.module, lp.precision, lp.since_step).where(lp.run_pk == self.run_pk)):
@@ -221,26 +227,33 @@ class LoopTxn:
                     v.whole_model_pending |= kind is ActionKind.FALLBACK
                 else:
                     v.pending_modules.update({str(m): kind for m in modules})
-        v.known_good = self._known_good_steps()
+        v.checkpoints, v.known_good = self._timeline_checkpoints()
+        v.last_page = self.conn.scalar(sa.select(sa.func.max(SqlAction.step)).where(
+            SqlAction.run_pk == self.run_pk, SqlAction.kind == ActionKind.PAGE))
+        v.last_loss_event = self.conn.scalar(sa.select(sa.func.max(SqlFinding.onset_step)).where(
+            SqlFinding.run_pk == self.run_pk, SqlFinding.rule.in_(list(rollback_rules))))
         for modules, fstep in self.conn.execute(sa.select(SqlFinding.modules, SqlFinding.step).where(
                 SqlFinding.run_pk == self.run_pk, SqlFinding.rule.in_([str(r) for r in FP8_RULES]))):
             for m in modules or []:
                 v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), int(fstep))
         return v
 
-    def _known_good_steps(self) -> list[int]:
-        """Known-good checkpoints still on the current timeline: a checkpoint of segment k at a step
-        that a later segment re-ran was abandoned by the rollback that started that segment."""
+    def _timeline_checkpoints(self) -> tuple[list[int], list[int]]:
+        """Checkpoints still on the current timeline (all, known-good): a checkpoint of segment k at
+        a step that a later segment re-ran was abandoned by the rollback that started that segment."""
         firsts = {int(s): int(f) for s, f in self.conn.execute(
             sa.select(SqlSegment.segment, sa.func.min(SqlSegment.first_step)).where(SqlSegment.run_pk == self.run_pk)
             .group_by(SqlSegment.segment))}
-        out = []
-        for seg, step in self.conn.execute(sa.select(SqlCheckpoint.segment, SqlCheckpoint.step).where(
-                SqlCheckpoint.run_pk == self.run_pk, SqlCheckpoint.known_good.is_(True))):
+        every, good = set(), set()
+        for seg, step, known_good in self.conn.execute(sa.select(
+                SqlCheckpoint.segment, SqlCheckpoint.step, SqlCheckpoint.known_good).where(
+                SqlCheckpoint.run_pk == self.run_pk)):
             later = [f for s, f in firsts.items() if s > seg]
             if not later or step < min(later):
-                out.append(int(step))
-        return sorted(set(out))
+                every.add(int(step))
+                if known_good:
+                    good.add(int(step))
+        return sorted(every), sorted(good)
 
     def add_action(self, decision: Decision, status: ActionStatus, finding_ids: Sequence[int], step: int) -> int:
         return int(self.conn.execute(sa.insert(SqlAction).values(

@@ -134,7 +134,7 @@ def run_detail(session: sa.orm.Session, run_id: str) -> RunDetail:
     num_tensors = session.scalar(sa.select(sa.func.count()).select_from(SqlTensor).where(SqlTensor.run_pk == run.id))
     stats = list(session.scalars(sa.select(SqlStat.name).where(SqlStat.run_pk == run.id).order_by(SqlStat.id)))
     return RunDetail(summary=_to_summary(row), recipe=run.recipe, config=run.config, ranks=ranks,
-                     num_tensors=int(num_tensors or 0), stats=stats)
+                     num_tensors=int(num_tensors or 0), stats=stats, guard=run.guard)
 
 
 def tensor_list(conn: sa.Connection, pk: int) -> list[TensorInfo]:

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
@@ -27,8 +28,22 @@ from tests.helpers import batch, post
 NAN_LAST = [2.5] * 9 + [math.nan]
 
 
+def _amax(inf_at_last: bool) -> np.ndarray:
+    values = np.ones((10, 1, 12), dtype="<f4")  # 12 tensors: modules blocks.0.fc .. blocks.3.fc
+    if inf_at_last:
+        values[-1, 0, 0] = np.inf
+    return values
+
+
 def _nan_batch(run: str, rank: int, **kw: Any) -> dict[str, Any]:
-    return batch(run, list(range(10)), rank=rank, losses=NAN_LAST, **kw)
+    """A NaN loss at step 9 and nothing wrong in FP8 (amax 1 everywhere)."""
+    return batch(run, list(range(10)), rank=rank, losses=NAN_LAST, stats=("amax",), values=_amax(False),
+                 n_tensors=12, **kw)
+
+
+def _inf_batch(run: str, steps: range = range(10), **kw: Any) -> dict[str, Any]:
+    """An infinite amax in one tensor (module blocks.0.fc) at the last step: FP8 evidence."""
+    return batch(run, list(steps), stats=("amax",), values=_amax(True), n_tensors=12, **kw)
 
 
 def _wait_for(predicate: Any, timeout: float = 30.0) -> Any:
@@ -47,7 +62,8 @@ def test_two_processes_two_ranks_one_decision_per_incident(migrated_url: str,
     """Each run's first two batches reach two service processes at once (rank 0 to one, rank 1
     to the other), both with a NaN loss and no checkpoint: before the loop had per-run order,
     both processes inserted the run's first detector state (one failed and its NaN finding was
-    lost) and both ordered a whole-model fallback with an alert each."""
+    lost) and both ordered a whole-model fallback with an alert each. Now: both findings, and
+    one decision (a page: there is no checkpoint, and without FP8 evidence BF16 is no cure)."""
     if "postgresql" not in migrated_url:
         pytest.skip("several service processes share a database only on PostgreSQL")
     monkeypatch.setenv("FP8GUARD_ALERTS__WEBHOOKS", '[{"url": "http://127.0.0.1:9/hook", "secret": "whsec_' + 'MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw' + '"}]')
@@ -82,14 +98,14 @@ def test_two_processes_two_ranks_one_decision_per_incident(migrated_url: str,
             time.sleep(1.5)  # a late duplicate decision would show up by now (sweep interval 1 s)
             for run in runs:
                 actions = c.get(f"/v1/runs/{run}/actions").json()
-                assert [(x["kind"], x["payload"]["modules"]) for x in actions] == [("fallback", None)], run
-                assert len(c.get(f"/v1/runs/{run}/commands").json()) == 1
+                assert [x["kind"] for x in actions] == ["page"], run
+                assert c.get(f"/v1/runs/{run}/commands").json() == []
     engine = make_engine(migrated_url)
     try:
         with engine.connect() as conn:
             per_run = dict(conn.execute(sa.select(SqlRun.run_id, sa.func.count(SqlAlert.id))
                                         .join(SqlAlert, SqlAlert.run_pk == SqlRun.id)
-                                        .where(SqlAlert.kind == "bf16_fallback").group_by(SqlRun.run_id)).all())
+                                        .where(SqlAlert.kind == "escalation").group_by(SqlRun.run_id)).all())
     finally:
         engine.dispose()
     assert per_run == dict.fromkeys(runs, 1)
@@ -113,21 +129,21 @@ def test_precision_is_what_the_agent_applied(client: Any, answer: str) -> None:
     fp8guard_run_layers_bf16 (an ignored one used to show BF16 and fire FP8GuardLayersInBF16)."""
     run = f"prec-{answer}"
     assert client.put(f"/v1/runs/{run}", json={}).status_code == 201
-    post(client, _nan_batch(run, 0))
+    post(client, _inf_batch(run))
     (command,) = client.get(f"/v1/runs/{run}/commands").json()
-    assert command["kind"] == "fallback" and command["modules"] is None
+    assert command["kind"] == "fallback" and command["modules"] == ["blocks.0.fc"]
     assert client.get(f"/v1/runs/{run}/precision").json() == []  # pending: nothing applied yet
     assert _bf16_gauge(client, run) == 0
     events = [_ack(command["id"], answer, 10)]
     if answer == "applied":
-        events.append({"kind": "fallback_applied", "step": 10, "data": {"command_id": command["id"], "modules": None}})
+        events.append({"kind": "fallback_applied", "step": 10,
+                       "data": {"command_id": command["id"], "modules": command["modules"]}})
     post(client, wire.make_batch(run_id=run, events=events))
     precision = client.get(f"/v1/runs/{run}/precision").json()
     assert client.get(f"/v1/runs/{run}/commands").json() == []
     if answer == "applied":
-        assert precision and {p["precision"] for p in precision} == {"bf16"}
-        assert all(p["since_step"] == 10 for p in precision)
-        assert _bf16_gauge(client, run) == len(precision)
+        assert [(p["module"], p["precision"], p["since_step"]) for p in precision] == [("blocks.0.fc", "bf16", 10)]
+        assert _bf16_gauge(client, run) == 1
     else:
         assert precision == []
         assert _bf16_gauge(client, run) == 0
@@ -152,7 +168,7 @@ def test_long_poll_answers_when_the_loop_decides(tmp_path: Any) -> None:
     engine.dispose()
     with serve(url) as base, httpx.Client(base_url=base, timeout=60) as c:
         assert c.put("/v1/runs/poll", json={}).status_code == 201
-        r = c.post("/v1/ingest", content=wire.dumps(batch("poll", list(range(10)))),
+        r = c.post("/v1/ingest", content=wire.dumps(batch("poll", list(range(10)), n_tensors=12)),
                    headers={"content-type": "application/json"})
         assert r.status_code == 200
         got: dict[str, Any] = {}
@@ -166,8 +182,7 @@ def test_long_poll_answers_when_the_loop_decides(tmp_path: Any) -> None:
         waiter.start()
         time.sleep(0.3)
         assert waiter.is_alive()  # nothing pending: it waits
-        r = c.post("/v1/ingest", content=wire.dumps(batch("poll", list(range(10, 20)), define_tensors=False,
-                                                          losses=NAN_LAST)),
+        r = c.post("/v1/ingest", content=wire.dumps(_inf_batch("poll", range(10, 20), define_tensors=False)),
                    headers={"content-type": "application/json"})
         assert r.status_code == 200
         waiter.join(30)
@@ -185,12 +200,12 @@ def test_batches_left_unjudged_by_a_crash_are_judged_after_restart(migrated_url:
     store = Store.open(migrated_url)
     try:
         store.register_run(RunSpec(run_id="crashed"))
-        payload = _nan_batch("crashed", 0)
+        payload = _inf_batch("crashed")
         store.ingest(decode_batch(IngestBatchIn.model_validate_json(wire.dumps(payload))))
     finally:
         store.close()  # "crash": nothing judged it
     app = create_app(Settings(database_url=migrated_url, loop_sweep_interval_s=0.1))
     with TestClient(app) as c:
         findings = _wait_for(lambda: c.get("/v1/runs/crashed/findings").json(), timeout=20)
-        assert [(f["rule"], f["step"]) for f in findings] == [("nonfinite", 9)]
+        assert [(f["rule"], f["step"]) for f in findings] == [("inf_amax", 9)]
         assert [x["kind"] for x in c.get("/v1/runs/crashed/commands").json()] == ["fallback"]

@@ -119,7 +119,11 @@ def test_amax_growth_fires_before_saturation() -> None:
     amax = np.ones((300, 2))
     amax[150:, 0] = np.exp2(np.linspace(0, 8, 150))  # 256x over 150 steps
     found = det.observe([], [_block(list(range(300)), np.ones((300, 2)), amax)])
-    assert [f.rule for f in found] == ["amax_growth"] and found[0].modules == ("l0",)
+    # a steady 3.8 %-per-step climb: the ramp rule names it first, the fast/slow growth rule later
+    assert {f.modules for f in found} == {("l0",)}
+    rules_in_order = [f.rule for f in found]
+    assert rules_in_order[0] == "amax_ramp" and "amax_growth" in rules_in_order
+    assert found[0].step - 150 <= 50
 
 
 def test_policy_rollback_fallback_escalation_and_promotion() -> None:
@@ -164,7 +168,9 @@ def test_stale_scale_fires_after_a_single_outlier_pins_the_history() -> None:
     amax[100, 2] = 1e4
     det = Detector(GuardConfig(), _metas(4))
     found = det.observe([], [_history_block(amax)])
-    assert [f.rule for f in found] == ["stale_scale"]
+    # one finding when the episode reaches stale_scale_steps, then one per cooldown while it lasts
+    assert {f.rule for f in found} == {"stale_scale"} and {f.modules for f in found} == {("l1",)}
+    assert [g.step for g in found] == list(range(120, 300, GuardConfig().cooldown_steps))
     f = found[0]
     assert f.modules == ("l1",) and f.step == 100 + GuardConfig().stale_scale_steps
     assert f.evidence["tensors"] == ["l1:fwd_input"] and f.evidence["history_over_amax"][0] > 256
