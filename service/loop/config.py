@@ -36,9 +36,10 @@ class GuardConfig(BaseModel):
     """Before ``warmup_steps`` losses were seen: a loss this fraction above the run's first loss
     for ``early_steps`` steps in a row is divergence (a healthy run's loss only falls from its
     first value; 5 % and three steps keep a noisy fine-tuning start from tripping it)."""
-    early_grad_factor: float = Field(default=10.0, gt=1)
+    early_grad_factor: float = Field(default=20.0, gt=1)
     """Before the gradient-norm baseline exists: a norm this many times its smallest value so
-    far, for ``early_steps`` steps in a row, is a blow-up."""
+    far, for ``early_steps`` steps in a row, is a blow-up (healthy starts fall from their first
+    norm; a learning rate 10x too high reached 186x its early norm by step 18)."""
     early_steps: int = Field(default=3, ge=1)
     grad_z: float = Field(default=12.0, gt=0)
     grad_min_rise: float = Field(default=2.0, ge=0)

@@ -41,9 +41,15 @@ class PassResult:
 
 
 def tensor_metas(rows: Sequence[TensorRow]) -> list[TensorMeta]:
-    return [TensorMeta(name=r.name, module=r.module or r.name.split(":")[0],
-                       backward=(r.role or "").startswith("bwd") or (r.fp8_format or "") == "e5m2",
-                       fp8_max=FP8_MAX.get((r.fp8_format or "").lower())) for r in rows]
+    """The detector's view of the tensor table. A tensor without a ``format`` is taken to follow
+    TE's HYBRID recipe: E5M2 for backward roles, E4M3 otherwise."""
+    out = []
+    for r in rows:
+        backward = (r.role or "").startswith("bwd") or (r.fp8_format or "").lower() == "e5m2"
+        fmt = (r.fp8_format or ("e5m2" if backward else "e4m3")).lower()
+        out.append(TensorMeta(name=r.name, module=r.module or r.name.split(":")[0], backward=backward,
+                              fp8_max=FP8_MAX.get(fmt)))
+    return out
 
 
 class Judge:
