@@ -64,9 +64,27 @@ class MonitorConfig:
     training step blocked."""
     timeout_s: float = 10.0
     command_check_interval_steps: int = 10
-    """Look for remediation commands from the service every this many steps. Under
-    torch.distributed rank 0 broadcasts them then (the agent's one intended host sync), so
-    every rank applies a command at the same step."""
+    """Under torch.distributed, look for remediation commands from the service every this many
+    steps: rank 0 broadcasts them then (the agent's one intended host sync), so every rank
+    applies a command at the same step. A single process applies a command at the first step
+    boundary after it arrived."""
+    tripwire: bool = True
+    """Check every step's telemetry on the device (``fp8guard.agent.tripwire``): when it trips,
+    flush at once and listen for the service's decision, so a command applies within two steps
+    of the anomaly instead of after the next flush."""
+    tripwire_loss_factor: float = 1.3
+    """Trips when the loss exceeds this many times its running average (or is not finite)... A
+    trip only makes the agent ship at once and listen: a false one costs a flush and at most
+    ``tripwire_wait_s``, so the bounds sit well below the service's own rules."""
+    tripwire_grad_factor: float = 5.0
+    """...or the gradient norm this many times its running average (or is not finite)..."""
+    tripwire_saturation: float = 8.0
+    """...or a tensor's saturation ratio exceeds this (routine: 1.0-1.2 forward, ~4 backward)."""
+    tripwire_warmup_steps: int = 10
+    """Steps of averaging before the jump checks count (non-finite values count from the first)."""
+    tripwire_wait_s: float = 0.25
+    """After it trips, the next step boundary waits up to this long for the decision (only then:
+    a run that tripped is in trouble already; 0 never waits, and the command applies one step later)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Reserved for integrations."""
 
@@ -106,3 +124,7 @@ class MonitorConfig:
             raise ConfigError("command_check_interval_steps must be >= 1")
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s must be > 0")
+        if not (self.tripwire_loss_factor > 1 and self.tripwire_grad_factor > 1 and self.tripwire_saturation > 1):
+            raise ConfigError("tripwire_loss_factor, tripwire_grad_factor and tripwire_saturation must be > 1")
+        if self.tripwire_warmup_steps < 0 or not self.tripwire_wait_s >= 0:
+            raise ConfigError("tripwire_warmup_steps and tripwire_wait_s must be >= 0")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8guard import wire
+from fp8guard.agent.command_listener import CommandListener
 from fp8guard.agent.commands import AckStatus, Command, Outcome, Remediator, parse_command
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
@@ -38,6 +39,7 @@ from fp8guard.agent.sources import discover_sources
 from fp8guard.agent.sources.base import COUNT_STATS, STATS, Source, TensorSpec
 from fp8guard.agent.telemetry import GRAD_NORM, LOSS, FlushPacket, StepRing
 from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
+from fp8guard.agent.tripwire import Tripwire
 
 __all__ = ["Monitor", "device_grad_norm"]
 
@@ -71,6 +73,11 @@ class Monitor:
         self._last_flush = time.monotonic()
         self._counting = False
         self._inbox: deque[Command] = deque()
+        self._tripwire: Tripwire | None = None
+        self._listener: CommandListener | None = None
+        self._urgent_until: int | None = None
+        """After the tripwire fired: check commands at every step boundary up to this step."""
+        self._urgent_waited = False
         self._applied_ids: set[int] = set()
         self.remediator: Remediator | None = None
         self.rank, self.world_size = 0, 1
@@ -105,9 +112,15 @@ class Monitor:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._ring = StepRing(n_tensors=len(self._specs), fp8_max=[s.fp8_max for s in self._specs],
                               capacity=cfg.flush_interval_steps, device=device)
+        if self.reporting and cfg.tripwire:
+            self._tripwire = Tripwire(device, loss_factor=cfg.tripwire_loss_factor,
+                                      grad_factor=cfg.tripwire_grad_factor, saturation=cfg.tripwire_saturation,
+                                      warmup_steps=cfg.tripwire_warmup_steps, use_loss=self.world_size == 1)
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
+            if cfg.tripwire and cfg.url is not None and self._transport is None:
+                self._listener = CommandListener(cfg.url, self.run_id, self.receive_commands, timeout_s=cfg.timeout_s)
             self.event(wire.EventKind.RUN_STARTED, step=self._next_step, data={
                 "rank": self.rank, "world_size": self.world_size, "sources": [s.kind for s in self._sources],
                 "tensors": len(self._specs)})
@@ -168,6 +181,7 @@ class Monitor:
             self._next_step = current + 1
         else:
             try:
+                self._answer_tripwire(current)
                 self._record(loss, grad_norm, lr, tokens, step)
             except Exception:  # monitoring must never take training down
                 self._broken = True
@@ -184,6 +198,42 @@ class Monitor:
             # Every rank reaches this at the same step, whatever it reports: the broadcast in
             # _check_commands must be entered by all of them.
             self._check_commands(current)
+        elif self.world_size == 1 and self._urgent_until is not None:
+            self._urgent_check(current)
+        elif self.world_size == 1 and self._inbox:
+            # One process needs no broadcast: a command that has arrived applies at this step.
+            self._check_commands(current)
+
+    # -- the tripwire ---------------------------------------------------------------------------
+
+    def _answer_tripwire(self, current: int) -> None:
+        """If the previous step's device check fired: ship everything now and listen for the
+        decision (commands are checked at every step boundary for a while; under
+        torch.distributed at the next every-N broadcast, which every rank enters together)."""
+        if self._tripwire is None:
+            return
+        fired = self._tripwire.fired()
+        if fired is None:
+            return
+        log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
+        self._flush()
+        self._urgent_until = current + self.config.command_check_interval_steps
+        self._urgent_waited = False
+        if self._listener is not None:
+            self._listener.listen(30.0, after=max(self._applied_ids, default=0))
+
+    def _urgent_check(self, current: int) -> None:
+        assert self._urgent_until is not None
+        if not self._inbox and not self._urgent_waited and self.config.tripwire_wait_s > 0:
+            # Only after the tripwire fired, once: the decision is usually tens of ms away.
+            self._urgent_waited = True
+            deadline = time.monotonic() + self.config.tripwire_wait_s
+            while not self._inbox and time.monotonic() < deadline:
+                time.sleep(0.002)
+        applied = len(self._applied_ids)
+        self._check_commands(current)
+        if len(self._applied_ids) > applied or current >= self._urgent_until:
+            self._urgent_until = None
 
     def _record(self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | float | None,
                 lr: float | torch.Tensor | None, tokens: int | None, step: int | None) -> None:
@@ -207,6 +257,10 @@ class Monitor:
             ring.count_steps.append(current)
         if lr is None and self._optimizer is not None and self._optimizer.param_groups:
             lr = self._optimizer.param_groups[0].get("lr")
+        if self._tripwire is not None:
+            self._tripwire.check(current, loss=ring.scalars[i, LOSS] if loss is not None else None,
+                                 grad_norm=ring.scalars[i, GRAD_NORM] if grad_norm is not None else None,
+                                 saturation=ring.saturation(i) if self._specs else None)
         ring.commit_step(current, loss_given=loss is not None, norm_given=grad_norm is not None,
                          lr=lr, tokens=tokens)
         self._next_step = current + 1
@@ -356,6 +410,8 @@ class Monitor:
         self._closed = True
         if self._shipper is not None:
             self._shipper.close(timeout_s)
+        if self._listener is not None:
+            self._listener.close()
         self._stop_counting()
 
     def __enter__(self) -> Monitor:

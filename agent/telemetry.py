@@ -109,6 +109,10 @@ class StepRing:
         self.lr_host.append(None if lr is None or isinstance(lr, torch.Tensor) else float(lr))
         self.tokens.append(tokens)
 
+    def saturation(self, i: int) -> torch.Tensor:
+        """Slot ``i``'s saturation ratios (``amax x scale / fp8_max``), on the device."""
+        return self.stats[i, AMAX] * self.stats[i, SCALE] / self.fp8_max
+
     def drain(self) -> FlushPacket:
         """Enqueue the device-to-host copy of what was recorded and start a new interval.
 

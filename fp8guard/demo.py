@@ -67,7 +67,19 @@ class DemoResult:
         """The guarded run ended finite and at least as good as just before the incident."""
         return math.isfinite(self.guarded_final_loss) and self.guarded_final_loss <= self.pre_incident_loss * 1.02
 
+    def steps_to_apply(self) -> list[int]:
+        """Per applied command: steps from the first step its findings saw the anomaly to the step
+        every rank applied it."""
+        seen = {f["id"]: f["step"] for f in self.findings}
+        out = []
+        for a in self.actions:
+            steps = [seen[i] for i in a.get("finding_ids") or [] if i in seen]
+            if a["status"] == "applied" and a.get("applied_step") is not None and steps:
+                out.append(int(a["applied_step"]) - min(steps))
+        return out
+
     def summary_json(self) -> dict[str, Any]:
+        latency = self.steps_to_apply()
         return {
             "recovered": self.recovered,
             "findings": len(self.findings),
@@ -76,6 +88,8 @@ class DemoResult:
             "final_loss": round(self.guarded_final_loss, 4),
             "pre_incident_loss": round(self.pre_incident_loss, 4),
             "unguarded_final_loss": None if self.unguarded_final_loss is None else round(self.unguarded_final_loss, 4),
+            "steps_to_apply": latency,
+            "max_steps_to_apply": max(latency, default=None),
             "run_id": self.run_id,
             "seconds": round(self.seconds, 1),
         }
@@ -85,7 +99,7 @@ GUARD = {
     # A 300-step demo needs shorter horizons than the defaults, which are set for real runs.
     "warmup_steps": 20, "rollback_margin_steps": 10, "known_good_after_steps": 10, "skip_batches": 10,
     "promote_after_steps": 60, "cooldown_steps": 30, "saturation_steps": 5, "amax_growth_warmup": 100,
-    "rollback_lr_scale": 0.05, "rollback_lr_steps": 60, "loss_z": 6.0,
+    "rollback_lr_scale": 0.05, "rollback_lr_steps": 60, "loss_z": 5.0,
 }
 
 
@@ -257,4 +271,7 @@ def print_summary(result: DemoResult, echo: Any) -> None:
     echo(f"Final loss, guarded:      {result.guarded_final_loss:.4f}")
     if result.unguarded_final_loss is not None:
         echo(f"Final loss, unguarded:    {result.unguarded_final_loss:.4f}")
+    latency = result.steps_to_apply()
+    if latency:
+        echo(f"Steps from anomaly to applied command: {', '.join(map(str, latency))} (max {max(latency)})")
     echo(f"Recovered: {'yes' if result.recovered else 'no'}   ({result.seconds:.0f} s)")

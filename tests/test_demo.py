@@ -24,3 +24,5 @@ def test_demo_recovers_and_ends_with_a_json_line(tmp_path) -> None:
     assert "rollback" in summary["actions"] and "fallback" in summary["actions"]
     assert summary["findings"] >= 2 and summary["final_loss"] < summary["pre_incident_loss"]
     assert "Timeline" in proc.stderr
+    # the tripwire ships at once and the agent listens: every command applies within two steps
+    assert summary["max_steps_to_apply"] is not None and summary["max_steps_to_apply"] <= 2
