@@ -90,7 +90,7 @@ def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list
         out += _fallback(findings, numerics, view, cfg, already=out)
     for i, f in enumerate(findings):
         if i in after:
-            event = cause if cause is not None and f.onset_step >= cause else view.last_loss_event
+            event = cause if cause is not None and f.onset_step > cause else view.last_loss_event
             out.append(Decision(kind=ActionKind.ALERT, rule=f.rule, findings=(i,), severity=f.severity, reason=(
                 f"{f.explanation} It began after the loss/gradient event of step {event}: an after-effect, so no "
                 "fallback (the rollback is the cure).")))
@@ -102,11 +102,12 @@ def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list
 
 def _after_effect(f: Finding, view: RunView, cause: int | None, cfg: GuardConfig) -> bool:
     """An FP8 finding that began after a loss or gradient event (this batch's or a recent one),
-    or while its rollback is pending, is that event's after-effect."""
+    or while its rollback is pending, is that event's after-effect. One that began at the same
+    step (an infinite amax with a NaN loss) may be its cause, and counts as FP8 evidence."""
     if view.rollback_pending:
         return True
     events = [e for e in (cause, view.last_loss_event) if e is not None]
-    return any(e <= f.onset_step <= e + cfg.after_effect_steps for e in events)
+    return any(e < f.onset_step <= e + cfg.after_effect_steps for e in events)
 
 
 def _rollback(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: GuardConfig, *,
