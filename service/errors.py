@@ -6,6 +6,7 @@
   + InvalidPayload      422  a request that parses but is wrong; ``loc`` names the field
   + PayloadTooLarge     413
   + BadEncoding         400  undecodable gzip or JSON
+  (request validation   422  FastAPI's errors, without the echoed input)
   + StorageUnavailable  503  the database is down or locked; safe to retry
   + SchemaNotAtHead          startup refusal (never reaches HTTP)
 
@@ -18,6 +19,8 @@ import logging
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 __all__ = [
@@ -90,3 +93,12 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": exc.to_detail()}, status_code=exc.status_code, headers=headers)
 
     app.add_exception_handler(ServiceError, handle)
+
+    async def invalid(_: Request, exc: Exception) -> JSONResponse:
+        # FastAPI's own 422 body, less the echoed "input": it may be megabytes, or text that is
+        # not even valid Unicode (a lone surrogate made rendering the error itself fail).
+        assert isinstance(exc, RequestValidationError)
+        errors = [{k: v for k, v in e.items() if k not in ("input", "ctx", "url")} for e in exc.errors()]
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+    app.add_exception_handler(RequestValidationError, invalid)

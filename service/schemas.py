@@ -16,6 +16,7 @@ from fp8guard.service.domain import ActionRecord, CheckpointRecord, FindingRecor
 from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Rule, Severity
 
 __all__ = [
+    "MAX_STEP",
     "ActionOut",
     "CheckpointOut",
     "CommandAckIn",
@@ -59,6 +60,23 @@ OptJsonFloat = Annotated[
 ]
 
 _strict = ConfigDict(extra="forbid")
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse strings that are not valid Unicode (lone surrogates such as "\\udfff" parse from JSON
+    but cannot be stored and read back as UTF-8: the run answered 500 forever after)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: not valid Unicode (a lone surrogate escape such as \\udfff)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(v, where)
 
 
 class TensorDefIn(BaseModel):
@@ -123,6 +141,7 @@ class EventIn(BaseModel):
 
     @model_validator(mode="after")
     def _typed_ack(self) -> EventIn:
+        _check_text(self.data, "event data")
         if self.kind is wire.EventKind.COMMAND_ACKNOWLEDGED:
             CommandAckIn.model_validate(self.data)  # a malformed ack is refused at the door, with its field
         return self
@@ -151,6 +170,8 @@ class IngestBatchIn(BaseModel):
 
     @model_validator(mode="after")
     def _unique_tensors(self) -> IngestBatchIn:
+        for t in self.tensors:
+            _check_text([t.name, t.module, t.role, t.format], "tensors")
         if len({t.index for t in self.tensors}) != len(self.tensors):
             raise ValueError("tensors: each index may appear once per batch")
         if len({t.name for t in self.tensors}) != len(self.tensors):
@@ -199,6 +220,12 @@ class RunIn(BaseModel):
     config: dict[str, Any] | None = Field(default=None, description="free-form training configuration")
     guard: dict[str, Any] | None = Field(default=None, description="detection thresholds and policy overrides "
                                          "(GuardConfig fields, e.g. {'dry_run': true, 'skip_batches': 300})")
+
+    @model_validator(mode="after")
+    def _valid_text(self) -> RunIn:
+        for name in ("model", "recipe", "config", "guard"):
+            _check_text(getattr(self, name), name)
+        return self
 
     @field_validator("guard")
     @classmethod

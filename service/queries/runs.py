@@ -14,6 +14,7 @@ from fp8guard.service.deps import SettingsDep, StoreDep
 from fp8guard.service.domain import RunDetail, RunSummary, TensorInfo
 from fp8guard.service.errors import InvalidPayload
 from fp8guard.service.schemas import (
+    MAX_STEP,
     EventOut,
     RankOut,
     RunDetailOut,
@@ -31,10 +32,12 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
 RunId = Annotated[str, Path(pattern=wire.RUN_ID_PATTERN, description="the run's client-chosen id")]
 Rank = Annotated[int, Query(ge=0, lt=65536, description="which rank's data")]
-Start = Annotated[int | None, Query(ge=0, description="first step (default: the run's first)")]
-End = Annotated[int | None, Query(ge=0, description="last step, inclusive (default: the run's last)")]
+# Steps are below 2^53 (the wire protocol's bound); every integer bound also keeps queries inside
+# the databases' 64-bit integers (SQLite raised OverflowError, a 500, past them).
+Start = Annotated[int | None, Query(ge=0, lt=MAX_STEP, description="first step (default: the run's first)")]
+End = Annotated[int | None, Query(ge=0, lt=MAX_STEP, description="last step, inclusive (default: the run's last)")]
 Width = Annotated[int, Query(ge=1, description="at most this many points; extremes are kept per bucket")]
-Segment = Annotated[int | None, Query(ge=0, description="one segment only (default: the effective timeline)")]
+Segment = Annotated[int | None, Query(ge=0, lt=2**31, description="one segment only (default: the effective timeline)")]
 
 
 def _window(settings_max: int, rank: int, start: int | None, end: int | None, width: int,
@@ -72,7 +75,7 @@ def list_runs(
     run_status: Annotated[Literal["running", "finished", "failed"] | None, Query(alias="status")] = None,
     q: Annotated[str | None, Query(max_length=128, description="substring of run id or model")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, lt=2**63)] = 0,
 ) -> list[RunOut]:
     return [run_out(r) for r in store.runs(status=run_status, search=q, limit=limit, offset=offset)]
 
@@ -102,7 +105,7 @@ def scalars(
 @router.get("/{run_id}/tensors/{index}/series", response_model=TensorSeriesOut,
             summary="One tensor's statistic over steps, downsampled")
 def tensor_series(
-    run_id: RunId, index: Annotated[int, Path(ge=0)], store: StoreDep, settings: SettingsDep,
+    run_id: RunId, index: Annotated[int, Path(ge=0, lt=wire.MAX_TENSORS)], store: StoreDep, settings: SettingsDep,
     stat: Annotated[str, Query(description="e.g. amax, scale, saturation")] = "amax",
     rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
 ) -> TensorSeriesOut:

@@ -158,3 +158,27 @@ def test_fuzzed_payloads_never_500(client) -> None:
         r = client.post("/v1/ingest", content=body, headers={"content-type": "application/json"})
         assert r.status_code < 500, (r.status_code, r.text, body[:300])
     assert client.get("/healthz").status_code == 200
+
+
+def test_integer_bounds_answer_422_not_500(client) -> None:
+    """D2: past 2^63 SQLite raised OverflowError (500) where PostgreSQL answered 422."""
+    assert client.put("/v1/runs/bounds", json={}).status_code == 201
+    huge = "9223372036854775808"
+    for url in (f"/v1/runs?offset={huge}", f"/v1/runs/bounds/events?start={huge}",
+                f"/v1/runs/bounds/scalars?end={huge}", f"/v1/runs/bounds/tensors/{huge}/series",
+                f"/v1/runs/bounds/matrix?segment={huge}"):
+        assert client.get(url).status_code == 422, url
+
+
+def test_invalid_unicode_is_refused_at_the_door(client) -> None:
+    """D4: a lone surrogate in a run's config was stored, then every read of the run answered 500."""
+    body = '{"config": {"x": "\\udfff"}}'
+    r = client.put("/v1/runs/good-run", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "Unicode" in r.text
+    assert client.get("/v1/runs/good-run").status_code == 404
+    assert client.put("/v1/runs/good-run", json={"config": {"x": "ünïcode ✓"}}).status_code == 201
+    assert client.get("/v1/runs/good-run").json()["config"] == {"x": "ünïcode ✓"}
+    bad_event = ('{"protocol": 1, "batch_id": "unicode-0001", "run_id": "good-run", '
+                 '"events": [{"kind": "note", "data": {"v": "\\udfff"}}]}')
+    r = client.post("/v1/ingest", content=bad_event, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "surrogate" in r.text  # the ingest parser is strict JSON already
