@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fp8guard.agent.transport import Transport, _RateLimiter
+from fp8guard.agent.transport import Transport
+from fp8guard.agent.transport.ratelimit import RateLimiter
 
 __all__ = ["Shipper", "ShipperStats"]
 
@@ -76,7 +77,7 @@ class Shipper:
         self._stopping = False
         self._closed = False
         self._stats = ShipperStats()
-        self._limiter = _RateLimiter(_LOG_INTERVAL_S, time.monotonic)
+        self._limiter = RateLimiter(_LOG_INTERVAL_S, time.monotonic)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -1,184 +1,41 @@
-"""How the agent's payloads leave the process: HTTP to the service, a JSONL file, or nowhere.
-
-Every transport has the same small surface (:class:`Transport`): ``send`` one wire payload (a
-dict built with :func:`fp8guard.wire.make_batch`), ``close``, and ``stats``. ``send`` is called
-from one background thread (see :mod:`fp8guard.agent.shipper`), in order, and never raises:
-telemetry must not be able to crash a training run.
-
-:class:`HttpTransport` is the real one. It registers the run, retries transient failures with
-the same bytes (the service deduplicates by ``batch_id``), spools to disk while the service is
-unreachable and backfills in order once it answers again. Only the standard library, httpx and
-:mod:`fp8guard.wire` are imported here.
-"""
+"""``HttpTransport``: batches to the fp8guard service over HTTP, spooled while it cannot take them."""
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import logging
 import math
 import os
 import random
-import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from enum import Enum
 from pathlib import Path
-from typing import IO, Any, Final, Protocol, runtime_checkable
+from typing import Any, Final
 
 import httpx
 
 from fp8guard import wire
+from fp8guard.agent.transport.base import RunInfo, TransportStats
+from fp8guard.agent.transport.payloads import (
+    batch_id_of,
+    count_steps,
+    int_or,
+    remember_tensors,
+    with_drop_event,
+    with_tensors,
+)
+from fp8guard.agent.transport.ratelimit import WARN_INTERVAL_S, RateLimiter, suppressed_note
+from fp8guard.agent.transport.responses import describe_exception, error_detail, retry_after_s
+from fp8guard.agent.transport.spool import Spool, SpoolFull
 
-__all__ = [
-    "HttpTransport",
-    "JsonlFileTransport",
-    "NullTransport",
-    "RunInfo",
-    "Transport",
-    "TransportStats",
-]
+__all__ = ["HttpTransport"]
 
 log = logging.getLogger("fp8guard.agent.transport")
 
 _MiB: Final = 1024 * 1024
-_WARN_INTERVAL_S: Final = 60.0
-_SPOOL_NAME_RE: Final = re.compile(r"^(\d{12})\.json\.gz$")
-_RUN_ID_RE: Final = re.compile(wire.RUN_ID_PATTERN)
-_TELEMETRY_DROPPED: Final = str(wire.EventKind.TELEMETRY_DROPPED)
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What ``PUT /v1/runs/{run_id}`` registers; the same on every rank."""
-
-    run_id: str
-    model: str | None = None
-    recipe: dict[str, Any] | None = None
-    world_size: int = 1
-    config: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id):
-            raise ValueError(f"run_id {self.run_id!r} must match {wire.RUN_ID_PATTERN} "
-                             "(1-128 of letters, digits, '.', '_', ':', '-', starting alphanumeric)")
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
-
-    def registration_body(self) -> dict[str, Any]:
-        """The JSON body of the registration request."""
-        return {"model": self.model, "recipe": self.recipe, "world_size": self.world_size,
-                "config": self.config}
-
-
-@dataclass
-class TransportStats:
-    """Counters since the transport was created. ``sent_batches`` counts every batch the service
-    accepted, including duplicates and backfilled ones (both are subsets of it)."""
-
-    sent_batches: int = 0
-    duplicate_batches: int = 0
-    retries: int = 0
-    spooled_batches: int = 0
-    backfilled_batches: int = 0
-    rejected_batches: int = 0
-    """Refused by the service with a 4xx other than 404/408/429, or not serialisable: dropped."""
-    dropped_batches: int = 0
-    """Lost to the spool bound (or a spool that could not be written)."""
-    dropped_steps: int = 0
-    bytes_sent: int = 0
-    """Bytes of accepted ingest bodies as they went on the wire (after gzip)."""
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Where payloads go. ``send`` is called from a single thread, in order, and never raises."""
-
-    def send(self, payload: dict[str, Any]) -> None: ...
-
-    def close(self) -> None: ...
-
-    def stats(self) -> TransportStats: ...
-
-
-class NullTransport:
-    """Discards every payload and counts it; for benchmarks and for turning shipping off."""
-
-    def __init__(self) -> None:
-        self._stats = TransportStats()
-
-    def send(self, payload: dict[str, Any]) -> None:
-        self._stats.sent_batches += 1
-
-    def close(self) -> None:
-        pass
-
-    def stats(self) -> TransportStats:
-        return dataclasses.replace(self._stats)
-
-
-class JsonlFileTransport:
-    """Appends one JSON line per payload to ``path`` (created with its parents), for offline runs.
-
-    Every line is a complete ingest body, so the file can be replayed later::
-
-        curl -X PUT $URL/v1/runs/my-run -H 'content-type: application/json' -d '{"world_size": 1}'
-        while IFS= read -r line; do
-          printf '%s' "$line" | curl -sf -X POST $URL/v1/ingest -H 'content-type: application/json' --data-binary @-
-        done < telemetry.jsonl
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._path = Path(path)
-        self._file: IO[bytes] | None = None
-        self._lock = threading.Lock()
-        self._stats = TransportStats()
-        self._limiter = _RateLimiter(_WARN_INTERVAL_S, time.monotonic)
-
-    @property
-    def path(self) -> Path:
-        return self._path
-
-    def send(self, payload: dict[str, Any]) -> None:
-        try:
-            line = wire.dumps(payload) + b"\n"
-        except (TypeError, ValueError) as exc:
-            self._stats.rejected_batches += 1
-            log.error("dropping batch %s: not serialisable as JSON (%s)", _batch_id(payload), exc)
-            return
-        with self._lock:
-            try:
-                if self._file is None:
-                    self._path.parent.mkdir(parents=True, exist_ok=True)
-                    self._file = self._path.open("ab")
-                self._file.write(line)
-                # A line per payload reaches the OS at once, so a crash loses at most the current one.
-                self._file.flush()
-            except OSError as exc:
-                self._stats.dropped_batches += 1
-                self._stats.dropped_steps += _count_steps(payload)
-                if (suppressed := self._limiter.allow("write")) is not None:
-                    log.warning("cannot append telemetry to %s (%s); batch dropped%s", self._path, exc,
-                                _suppressed_note(suppressed))
-                return
-        self._stats.sent_batches += 1
-        self._stats.bytes_sent += len(line)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                try:
-                    self._file.close()
-                except OSError as exc:  # pragma: no cover - close after a failed flush
-                    log.warning("closing %s failed: %s", self._path, exc)
-                self._file = None
-
-    def stats(self) -> TransportStats:
-        return dataclasses.replace(self._stats)
 
 
 class _Outcome(Enum):
@@ -297,7 +154,7 @@ class HttpTransport:
         self._stats = TransportStats()
         self._registered = False
         self._closed = False
-        self._spool: _Spool | None = None
+        self._spool: Spool | None = None
         self._spool_unusable = False
         self._down_since: float | None = None  # circuit breaker: open while not None
         self._next_probe_at = 0.0
@@ -312,7 +169,7 @@ class HttpTransport:
         self._last_rank = 0
         self._last_segment = 0
         self._seen_payload = False
-        self._limiter = _RateLimiter(_WARN_INTERVAL_S, clock)
+        self._limiter = RateLimiter(WARN_INTERVAL_S, clock)
 
     # ------------------------------------------------------------------ public API
 
@@ -338,10 +195,10 @@ class HttpTransport:
                 self._send(payload)
         except Exception:
             # A bug of ours, or a hostile client: lose this batch rather than the training run.
-            self._count_dropped(_count_steps(payload), (0, 0))
+            self._count_dropped(count_steps(payload), (0, 0))
             if (suppressed := self._limiter.allow("internal")) is not None:
-                log.exception("fp8guard transport: unexpected error, batch %s dropped%s", _batch_id(payload),
-                              _suppressed_note(suppressed))
+                log.exception("fp8guard transport: unexpected error, batch %s dropped%s", batch_id_of(payload),
+                              suppressed_note(suppressed))
 
     def close(self) -> None:
         """Try once to backfill the spool (each file one attempt, ``timeout_s`` in all), report
@@ -382,9 +239,9 @@ class HttpTransport:
                       type(payload).__name__)
             return
         self._seen_payload = True
-        _remember_tensors(self._tensor_table, payload)
-        self._last_rank = _int_or(payload.get("rank"), self._last_rank)
-        self._last_segment = _int_or(payload.get("segment"), self._last_segment)
+        remember_tensors(self._tensor_table, payload)
+        self._last_rank = int_or(payload.get("rank"), self._last_rank)
+        self._last_segment = int_or(payload.get("segment"), self._last_segment)
         if self._closed:
             # The client may be closed already; keep the data for the next process.
             self._spool_payload(payload)
@@ -408,10 +265,10 @@ class HttpTransport:
         """Send a batch live, carrying the pending drop report; spool it if delivery fails."""
         claimed = self._claim_drop_report()
         if claimed is not None:
-            payload = _with_drop_event(payload, claimed)
+            payload = with_drop_event(payload, claimed)
         with_table = self._resend_tensors and bool(self._tensor_table)
         if with_table:
-            payload = _with_tensors(payload, self._tensor_table)
+            payload = with_tensors(payload, self._tensor_table)
             self._resend_tensors = False
         body = self._serialise(payload)
         if body is None:
@@ -420,7 +277,7 @@ class HttpTransport:
             return _Outcome.REJECTED
         gzipped = len(body) >= self._gzip_min_bytes
         wire_body = wire.gzip_body(body, level=1) if gzipped else body
-        outcome = self._deliver(wire_body, gzipped=gzipped, batch_id=_batch_id(payload), attempts=attempts)
+        outcome = self._deliver(wire_body, gzipped=gzipped, batch_id=batch_id_of(payload), attempts=attempts)
         if outcome is _Outcome.DELIVERED:
             self._mark_up()
         elif outcome is _Outcome.REJECTED:
@@ -433,7 +290,7 @@ class HttpTransport:
                 # The exact JSON that was attempted (drop event included): the service may have
                 # stored it without us hearing back, and a retry must not differ.
                 self._spool_bytes(wire_body if gzipped else wire.gzip_body(body, level=1),
-                                  steps=_count_steps(payload), carried=claimed or (0, 0))
+                                  steps=count_steps(payload), carried=claimed or (0, 0))
             else:
                 self._unclaim(claimed)
                 self._resend_tensors |= with_table
@@ -456,7 +313,7 @@ class HttpTransport:
             except _Retryable as exc:
                 reason, retry_after = exc.reason, exc.retry_after
             except Exception as exc:  # httpx errors, and anything a custom client throws
-                reason = _describe_exception(exc)
+                reason = describe_exception(exc)
             else:
                 status = response.status_code
                 if 200 <= status < 300:
@@ -476,7 +333,7 @@ class HttpTransport:
                     self._reject(status, response, batch_id)
                     return _Outcome.REJECTED
                 else:
-                    retry_after = _retry_after(response)
+                    retry_after = retry_after_s(response)
                     reason = f"HTTP {status}"
             self._last_failure = reason
             if attempt >= attempts:
@@ -497,7 +354,7 @@ class HttpTransport:
             response = self._client.put(f"{self._prefix}/v1/runs/{self._run.run_id}",
                                         json=self._run.registration_body())
         except Exception as exc:
-            raise _Retryable(f"registering the run: {_describe_exception(exc)}") from exc
+            raise _Retryable(f"registering the run: {describe_exception(exc)}") from exc
         if response.status_code in (200, 201):
             self._registered = True
             return
@@ -506,9 +363,9 @@ class HttpTransport:
         refused = 400 <= response.status_code < 500 and response.status_code not in (408, 429)
         if refused and (suppressed := self._limiter.allow("register")) is not None:
             log.error("fp8guard: registering run %s at %s was refused: HTTP %d %s; batches are kept in "
-                      "the spool%s", self._run.run_id, self._url, response.status_code, _detail(response),
-                      _suppressed_note(suppressed))
-        raise _Retryable(f"registering the run: HTTP {response.status_code}", _retry_after(response))
+                      "the spool%s", self._run.run_id, self._url, response.status_code, error_detail(response),
+                      suppressed_note(suppressed))
+        raise _Retryable(f"registering the run: HTTP {response.status_code}", retry_after_s(response))
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
@@ -537,7 +394,7 @@ class HttpTransport:
         self._stats.rejected_batches += 1
         if (suppressed := self._limiter.allow(f"reject:{status}")) is not None:
             log.error("fp8guard: the service refused batch %s with HTTP %d, dropping it: %s%s", batch_id,
-                      status, _detail(response), _suppressed_note(suppressed))
+                      status, error_detail(response), suppressed_note(suppressed))
 
     def _serialise(self, payload: Mapping[str, Any]) -> bytes | None:
         try:
@@ -545,7 +402,7 @@ class HttpTransport:
         except (TypeError, ValueError) as exc:
             self._stats.rejected_batches += 1
             log.error("fp8guard: dropping batch %s: not serialisable as wire JSON (%s); non-finite "
-                      "floats must be encoded with fp8guard.wire.encode_float", _batch_id(payload), exc)
+                      "floats must be encoded with fp8guard.wire.encode_float", batch_id_of(payload), exc)
             return None
 
     # ------------------------------------------------------------------ circuit breaker
@@ -579,14 +436,14 @@ class HttpTransport:
 
     # ------------------------------------------------------------------ spool
 
-    def _open_spool(self) -> _Spool | None:
+    def _open_spool(self) -> Spool | None:
         if self._spool is not None or self._spool_unusable or self._spool_max_bytes == 0:
             return self._spool
         directory = self.spool_dir
         if directory is None:
             return None
         try:
-            self._spool = _Spool(directory, self._spool_max_bytes)
+            self._spool = Spool(directory, self._spool_max_bytes)
         except OSError as exc:
             self._spool_unusable = True
             log.warning("fp8guard: cannot use spool directory %s (%s); batches that cannot be delivered "
@@ -596,7 +453,7 @@ class HttpTransport:
     def _spool_payload(self, payload: Mapping[str, Any]) -> None:
         body = self._serialise(payload)
         if body is not None:
-            self._spool_bytes(wire.gzip_body(body, level=1), steps=_count_steps(payload), carried=(0, 0))
+            self._spool_bytes(wire.gzip_body(body, level=1), steps=count_steps(payload), carried=(0, 0))
 
     def _spool_bytes(self, gz: bytes, *, steps: int, carried: tuple[int, int]) -> None:
         spool = self._open_spool()
@@ -605,14 +462,14 @@ class HttpTransport:
             return
         try:
             evicted = spool.add(gz, steps=steps, carried=carried)
-        except _SpoolFull:
+        except SpoolFull:
             self._count_dropped(steps, carried)
             return
         except OSError as exc:
             self._count_dropped(steps, carried)
             if (suppressed := self._limiter.allow("spool-write")) is not None:
                 log.warning("fp8guard: cannot write to spool %s (%s); batch dropped%s", spool.directory, exc,
-                            _suppressed_note(suppressed))
+                            suppressed_note(suppressed))
             return
         self._stats.spooled_batches += 1
         for entry in evicted:
@@ -621,7 +478,7 @@ class HttpTransport:
         if evicted and (suppressed := self._limiter.allow("spool-full")) is not None:
             log.warning("fp8guard: spool %s is full (%d bytes); dropped the oldest batches (%d so far)%s",
                         spool.directory, self._spool_max_bytes, self._stats.dropped_batches,
-                        _suppressed_note(suppressed))
+                        suppressed_note(suppressed))
 
     def _count_dropped(self, steps: int, carried: tuple[int, int]) -> None:
         self._stats.dropped_batches += 1
@@ -689,238 +546,9 @@ class HttpTransport:
         return "done"
 
 
-class _SpoolFull(Exception):
-    """One batch is larger than the whole spool."""
-
-
-@dataclass
-class _SpoolEntry:
-    path: Path
-    size: int
-    steps: int | None  # None: a file of an earlier process, parsed only if it must be dropped
-    carried: tuple[int, int] | None  # telemetry_dropped counts inside the file
-
-
-class _Spool:
-    """A directory of ``NNNNNNNNNNNN.json.gz`` files whose lexical order is the send order."""
-
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        self.directory = directory
-        self._max_bytes = max_bytes
-        directory.mkdir(parents=True, exist_ok=True)
-        self._entries: list[_SpoolEntry] = []
-        for path in sorted(directory.iterdir()):
-            if _SPOOL_NAME_RE.match(path.name):
-                try:
-                    size = path.stat().st_size
-                except OSError:  # vanished between listing and stat
-                    continue
-                self._entries.append(_SpoolEntry(path, size, None, None))
-        self._bytes = sum(e.size for e in self._entries)
-        # Continue after what an earlier process left, so a restart keeps the order.
-        match = _SPOOL_NAME_RE.match(self._entries[-1].path.name) if self._entries else None
-        self._next_seq = int(match.group(1)) + 1 if match else 1
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def oldest(self) -> _SpoolEntry | None:
-        return self._entries[0] if self._entries else None
-
-    def read(self, entry: _SpoolEntry) -> bytes:
-        return entry.path.read_bytes()
-
-    def remove(self, entry: _SpoolEntry) -> None:
-        self._entries.remove(entry)
-        self._bytes -= entry.size
-        try:
-            entry.path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("fp8guard: cannot delete spooled batch %s: %s", entry.path, exc)
-
-    def describe(self, entry: _SpoolEntry) -> tuple[int, tuple[int, int]]:
-        """(distinct steps, carried drop counts) of a spooled batch, parsing the file if needed."""
-        if entry.steps is None or entry.carried is None:
-            try:
-                payload = json.loads(gzip.decompress(entry.path.read_bytes()))
-            except Exception:  # unreadable or already gone: count it as a batch of unknown steps
-                payload = {}
-            entry.steps = _count_steps(payload)
-            entry.carried = _carried_drops(payload)
-        return entry.steps, entry.carried
-
-    def add(self, gz: bytes, *, steps: int, carried: tuple[int, int]) -> list[_SpoolEntry]:
-        """Write one batch; returns the evicted oldest entries. Raises _SpoolFull or OSError."""
-        if len(gz) > self._max_bytes:
-            raise _SpoolFull
-        evicted: list[_SpoolEntry] = []
-        while self._entries and self._bytes + len(gz) > self._max_bytes:
-            entry = self._entries[0]
-            self.describe(entry)  # before the file is gone
-            self.remove(entry)
-            evicted.append(entry)
-        self.directory.mkdir(parents=True, exist_ok=True)  # someone may have cleaned the tempdir
-        while True:
-            path = self.directory / f"{self._next_seq:012d}.json.gz"
-            self._next_seq += 1
-            try:
-                # "x": never overwrite a file someone else put there; take the next number instead.
-                with path.open("xb") as f:
-                    f.write(gz)
-            except FileExistsError:
-                continue
-            except OSError:
-                path.unlink(missing_ok=True)  # a partial file would be backfilled as bad gzip
-                raise
-            break
-        self._entries.append(_SpoolEntry(path, len(gz), steps, carried))
-        self._bytes += len(gz)
-        return evicted
-
-
-class _RateLimiter:
-    """At most one log line per key and interval; counts what it held back."""
-
-    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
-        self._interval_s = interval_s
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def allow(self, key: str) -> int | None:
-        """None to stay quiet; otherwise how many messages were suppressed since the last one."""
-        now = self._clock()
-        last = self._last.get(key)
-        if last is not None and now - last < self._interval_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return None
-        self._last[key] = now
-        return self._suppressed.pop(key, 0)
-
-    def reset(self, key: str) -> None:
-        self._last.pop(key, None)
-        self._suppressed.pop(key, None)
-
-
-# ---------------------------------------------------------------------- helpers
-
-
 def _positive(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _non_negative(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-
-
-def _int_or(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _batch_id(payload: object) -> str:
-    if isinstance(payload, Mapping):
-        return str(payload.get("batch_id", "?"))
-    return "?"
-
-
-def _suppressed_note(suppressed: int) -> str:
-    return f" ({suppressed} similar messages suppressed)" if suppressed else ""
-
-
-def _describe_exception(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    """A numeric ``Retry-After`` (seconds); HTTP dates are ignored in favour of our own backoff."""
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
-
-
-def _detail(response: httpx.Response) -> str:
-    """The service's error ``detail`` as one line: ``body.tensor_stats.0.data: msg``."""
-    try:
-        detail = response.json().get("detail")
-    except Exception:
-        return response.text[:500]
-    if isinstance(detail, list):
-        parts = []
-        for item in detail:
-            if isinstance(item, Mapping):
-                loc = ".".join(str(p) for p in item.get("loc") or ())
-                parts.append(f"{loc}: {item.get('msg', '')}" if loc else str(item.get("msg", "")))
-            else:
-                parts.append(str(item))
-        return "; ".join(parts)[:1000]
-    return str(detail)[:1000]
-
-
-def _int_steps(values: Iterable[Any]) -> set[int]:
-    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
-
-
-def _count_steps(payload: object) -> int:
-    """Distinct training steps a payload holds data for (step records and stats blocks together)."""
-    if not isinstance(payload, Mapping):
-        return 0
-    steps: set[int] = set()
-    records = payload.get("steps")
-    if isinstance(records, list):
-        steps |= _int_steps(r.get("step") for r in records if isinstance(r, Mapping))
-    blocks = payload.get("tensor_stats")
-    if isinstance(blocks, list):
-        for block in blocks:
-            if isinstance(block, Mapping) and isinstance(block.get("steps"), list):
-                steps |= _int_steps(block["steps"])
-    return len(steps)
-
-
-def _carried_drops(payload: object) -> tuple[int, int]:
-    """Counts of the ``telemetry_dropped`` events inside a payload."""
-    batches = steps = 0
-    events = payload.get("events") if isinstance(payload, Mapping) else None
-    if isinstance(events, list):
-        for event in events:
-            if isinstance(event, Mapping) and event.get("kind") == _TELEMETRY_DROPPED:
-                data = event.get("data")
-                if isinstance(data, Mapping):
-                    batches += _int_or(data.get("batches"), 0)
-                    steps += _int_or(data.get("steps"), 0)
-    return batches, steps
-
-
-def _remember_tensors(table: dict[int, dict[str, Any]], payload: Mapping[str, Any]) -> None:
-    tensors = payload.get("tensors")
-    if isinstance(tensors, list):
-        for t in tensors:
-            if isinstance(t, Mapping) and isinstance(t.get("index"), int):
-                table[t["index"]] = dict(t)
-
-
-def _with_tensors(payload: Mapping[str, Any], table: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """A copy of the payload whose tensor table holds every known definition (its own win)."""
-    merged: dict[int, Any] = {i: dict(t) for i, t in table.items()}
-    odd: list[Any] = []  # malformed entries stay, so the service names them as before
-    own = payload.get("tensors")
-    for t in own if isinstance(own, list) else ():
-        if isinstance(t, Mapping) and isinstance(t.get("index"), int):
-            merged[t["index"]] = t
-        else:
-            odd.append(t)
-    return {**payload, "tensors": [merged[i] for i in sorted(merged)] + odd}
-
-
-def _with_drop_event(payload: Mapping[str, Any], counts: tuple[int, int]) -> dict[str, Any]:
-    """A copy of the payload with the drop report appended; the caller's dict stays untouched."""
-    events = payload.get("events")
-    event = {"kind": _TELEMETRY_DROPPED, "time": time.time(), "data": {"batches": counts[0], "steps": counts[1]}}
-    return {**payload, "events": [*(events if isinstance(events, list) else ()), event]}
