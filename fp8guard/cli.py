@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from fp8guard.service.store import Store
 
 __all__ = ["app", "main"]
 
@@ -17,8 +20,10 @@ app = typer.Typer(help="fp8guard: watch and heal FP8 training runs.", no_args_is
                   pretty_exceptions_enable=False)
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 runs_app = typer.Typer(help="Inspect stored runs.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens: create (shown once), list, revoke.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(runs_app, name="runs")
+app.add_typer(token_app, name="token")
 
 DatabaseUrl = Annotated[
     str | None,
@@ -38,6 +43,33 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve beyond this machine
+
+
+def _auth_mode(explicit: str | None, host: str, insecure: bool) -> str:
+    """``FP8GUARD_AUTH``/``--auth`` if given, else required beyond loopback and off on it; off
+    beyond loopback only with ``--insecure``."""
+    from fp8guard.service.settings import AuthMode
+
+    try:
+        mode = AuthMode(explicit) if explicit else (AuthMode.OFF if _is_loopback(host) else AuthMode.REQUIRED)
+    except ValueError:
+        raise _fail(f"FP8GUARD_AUTH must be one of {', '.join(AuthMode)}, not {explicit!r}") from None
+    if mode is AuthMode.OFF and not _is_loopback(host) and not insecure:
+        raise _fail(f"refusing to serve on {host} without authentication: anyone who reaches the port could "
+                    "steer your runs. Create tokens (fp8guard token create) and drop FP8GUARD_AUTH=off, "
+                    "or pass --insecure")
+    return mode.value
+
+
 @app.command()
 def serve(
     database_url: DatabaseUrl = None,
@@ -45,6 +77,9 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     migrate: Annotated[bool, typer.Option(help="bring the schema to head before serving")] = True,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    auth: Annotated[str | None, typer.Option(envvar="FP8GUARD_AUTH", show_default=False,
+                                             help="required | off (default: required unless HOST is loopback)")] = None,
+    insecure: Annotated[bool, typer.Option(help="allow --auth off beyond loopback")] = False,
 ) -> None:
     """Run the service. Several `serve` processes may share one PostgreSQL database."""
     import uvicorn
@@ -54,8 +89,9 @@ def serve(
     from fp8guard.service.store import make_engine, upgrade
 
     url = _url(database_url)
+    mode = _auth_mode(auth, host, insecure)
     try:
-        settings = Settings(database_url=url)
+        settings = Settings(database_url=url, auth=mode)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     if migrate:
@@ -67,7 +103,11 @@ def serve(
         service = create_app(settings)
     except SchemaNotAtHead as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"fp8guard serving on http://{host}:{port} (database: {settings.database_url})", err=True)
+    typer.echo(f"fp8guard serving on http://{host}:{port} (database: {settings.database_url}, auth: {mode})",
+               err=True)
+    if mode == "required" and not service.state.store.tokens():
+        typer.echo("no tokens yet: create one with  fp8guard token create --role admin --name you "
+                   f"--database-url '{settings.database_url}'", err=True)
     # The request, ingest-writer and loop threads hand work to each other for every batch; with
     # CPython's default 5 ms GIL switch interval each hand-off could wait that long.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -151,14 +191,9 @@ def runs_list(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
 ) -> None:
     """List runs, most recently active first."""
-    from fp8guard.service.errors import SchemaNotAtHead
-    from fp8guard.service.store import Store
     from fp8guard.wire import encode_float
 
-    try:
-        store = Store.open(_url(database_url))
-    except SchemaNotAtHead as exc:
-        raise _fail(str(exc)) from None
+    store = _store(database_url)
     runs = store.runs(status=status, limit=limit)
     store.close()
     if as_json:
@@ -173,6 +208,78 @@ def runs_list(
         step = "-" if r.last_step is None else str(r.last_step)
         typer.echo(f"{r.run_id:<32} {r.status:<9} {step:>9} {loss:>10} {r.samples:>12}  "
                    f"{r.updated_at:%Y-%m-%d %H:%M:%S}")
+
+
+def _store(url: str | None) -> Store:
+    from fp8guard.service.errors import SchemaNotAtHead
+    from fp8guard.service.store import Store
+
+    try:
+        return Store.open(_url(url))
+    except SchemaNotAtHead as exc:
+        raise _fail(str(exc)) from None
+
+
+@token_app.command("create")
+def token_create(
+    role: Annotated[str, typer.Option(help="ingest | read | admin")],
+    name: Annotated[str, typer.Option(help="who or what holds it (audit events name it)")],
+    run_prefix: Annotated[str | None, typer.Option(help="ingest tokens: the run ids it may write")] = None,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Create a token and print it, alone, on the last line: it is shown this once."""
+    from fp8guard.service.auth.tokens import issue_token
+    from fp8guard.service.errors import ServiceError
+    from fp8guard.service.kinds import Role
+
+    try:
+        parsed = Role(role)
+    except ValueError:
+        raise _fail(f"--role must be one of {', '.join(Role)}, not {role!r}") from None
+    store = _store(database_url)
+    try:
+        secret, record = issue_token(store, name=name, role=parsed, run_prefix=run_prefix)
+    except ServiceError as exc:
+        raise _fail(exc.message) from None
+    finally:
+        store.close()
+    scope = f", runs starting with {record.run_prefix!r}" if record.run_prefix else ""
+    typer.echo(f"created {record.role} token {record.name!r}{scope}; keep it secret, it is not shown again:", err=True)
+    typer.echo(secret)
+
+
+@token_app.command("list")
+def token_list(
+    database_url: DatabaseUrl = None,
+    revoked: Annotated[bool, typer.Option(help="include revoked tokens")] = False,
+) -> None:
+    """List tokens (names, roles, scopes and hints; never secrets)."""
+    store = _store(database_url)
+    records = store.tokens(include_revoked=revoked)
+    store.close()
+    typer.echo(f"{'NAME':<24} {'ROLE':<7} {'RUN PREFIX':<20} {'HINT':<12} {'CREATED':<19}  REVOKED")
+    for t in records:
+        revoked_at = "-" if t.revoked_at is None else f"{t.revoked_at:%Y-%m-%d %H:%M:%S}"
+        typer.echo(f"{t.name:<24} {t.role:<7} {t.run_prefix or '-':<20} {t.hint:<12} "
+                   f"{t.created_at:%Y-%m-%d %H:%M:%S}  {revoked_at}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="the token's name")],
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Revoke a token: running services stop honouring it within auth_cache_s (5 s)."""
+    from fp8guard.service.errors import ServiceError
+
+    store = _store(database_url)
+    try:
+        record = store.revoke_token(name)
+    except ServiceError as exc:
+        raise _fail(exc.message) from None
+    finally:
+        store.close()
+    typer.echo(f"revoked {record.role} token {record.name!r}")
 
 
 def main() -> None:

@@ -5,6 +5,9 @@ The stages, in the order data flows through them::
     ingest (validate, group-commit, answer)  ->  store  ->  loop (detect, decide, issue commands)
         ->  commands (ingest answers, long-poll channel) and alerts (outbox, dispatcher)
         ->  queries (JSON API, /metrics)  ->  web (dashboards)
+
+Every route but ``/healthz``, the login page and static files needs a token with a role
+(``service/auth``, ``docs/security.md``), unless ``settings.auth`` is off.
 """
 
 from __future__ import annotations
@@ -14,16 +17,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from fp8guard import __version__
 from fp8guard.service import health
 from fp8guard.service.alerts.dispatcher import AlertDispatcher
+from fp8guard.service.auth import AUTH_RESPONSES, Authenticator, require
+from fp8guard.service.auth import routes as token_routes
 from fp8guard.service.domain import Batch, IngestResult
 from fp8guard.service.errors import install_handlers
 from fp8guard.service.ingest import routes as ingest_routes
 from fp8guard.service.ingest.committer import Committer
+from fp8guard.service.kinds import Role
 from fp8guard.service.loop.channel import CommandChannel
 from fp8guard.service.loop.judge import Judge
 from fp8guard.service.loop.worker import LoopWorker
@@ -77,6 +85,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         version=__version__,
         summary="Stores FP8 training telemetry, judges it, and orders rollbacks and BF16 fallbacks.",
         lifespan=lifespan,
+        docs_url=None, redoc_url=None, openapi_url=None,  # served below, behind a read token
     )
     app.state.settings = settings
     app.state.store = store
@@ -84,14 +93,26 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.state.loop = loop
     app.state.commands = channel
     app.state.alerts = dispatcher
+    app.state.auth = Authenticator(store, settings)
     install_handlers(app)
+    read = [Depends(require(Role.READ))]
     app.include_router(health.router)
     app.include_router(ingest_routes.router)
-    app.include_router(run_queries.router)
+    app.include_router(run_queries.router, dependencies=read, responses=AUTH_RESPONSES)
     app.include_router(loop_queries.router)
+    app.include_router(token_routes.router)
     app.include_router(web_router())
-    install_metrics(app, store)
+    install_metrics(app, store, dependencies=read)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=read)
+    def openapi_json() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=read)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="fp8guard API")
+
     return app
 
 

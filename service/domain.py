@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fp8guard import wire
-from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Rule, Severity
+from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Role, Rule, Severity
 
 __all__ = [
     "ActionRecord",
@@ -33,6 +33,7 @@ __all__ = [
     "TensorInfo",
     "TensorMatrix",
     "TensorSeries",
+    "TokenRecord",
 ]
 
 F32 = npt.NDArray[np.float32]
@@ -112,6 +113,19 @@ class StatBlock:
     stats: tuple[str, ...]
     steps: npt.NDArray[np.int64]
     values: F32
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    """An API token as stored (never its secret)."""
+
+    id: int
+    name: str
+    role: Role
+    run_prefix: str | None
+    hint: str
+    created_at: datetime
+    revoked_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,13 @@
   + NotFound            404  an unknown run, tensor or stat
   + Conflict            409  data that contradicts what is stored (a tensor index re-used with another name)
   + InvalidPayload      422  a request that parses but is wrong; ``loc`` names the field
+  + Unauthorized        401  no credentials, or a token that is unknown, revoked or expired
+  + Forbidden           403  a valid token whose role or run scope does not allow the request
   + PayloadTooLarge     413
   + BadEncoding         400  undecodable gzip or JSON
   (request validation   422  FastAPI's errors, without the echoed input)
   + StorageUnavailable  503  the database is down or locked; safe to retry
+    + Overloaded        503  the process holds its budget of request bodies; safe to retry
   + SchemaNotAtHead          startup refusal (never reaches HTTP)
 
 Routes never catch SQLAlchemy errors; the store converts them at its boundary.
@@ -26,12 +29,15 @@ from fastapi.responses import JSONResponse
 __all__ = [
     "BadEncoding",
     "Conflict",
+    "Forbidden",
     "InvalidPayload",
     "NotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "SchemaNotAtHead",
     "ServiceError",
     "StorageUnavailable",
+    "Unauthorized",
     "install_handlers",
 ]
 
@@ -67,6 +73,16 @@ class InvalidPayload(ServiceError, ValueError):
     error_type = "value_error"
 
 
+class Unauthorized(ServiceError):
+    status_code = 401
+    error_type = "unauthorized"
+
+
+class Forbidden(ServiceError):
+    status_code = 403
+    error_type = "forbidden"
+
+
 class PayloadTooLarge(ServiceError):
     status_code = 413
     error_type = "too_large"
@@ -82,6 +98,13 @@ class StorageUnavailable(ServiceError):
     error_type = "storage_unavailable"
 
 
+class Overloaded(StorageUnavailable):
+    """Too many request bytes in flight (``max_inflight_body_bytes``): like an unavailable
+    database, answered 503 with Retry-After, and the agent retries the same batch."""
+
+    error_type = "overloaded"
+
+
 class SchemaNotAtHead(ServiceError):
     """Raised at startup; the message says which command brings the schema to head."""
 
@@ -89,7 +112,8 @@ class SchemaNotAtHead(ServiceError):
 def install_handlers(app: FastAPI) -> None:
     async def handle(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ServiceError)
-        headers = {"Retry-After": "1"} if isinstance(exc, StorageUnavailable) else None
+        headers = ({"Retry-After": "1"} if isinstance(exc, StorageUnavailable)
+                   else {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None)
         return JSONResponse({"detail": exc.to_detail()}, status_code=exc.status_code, headers=headers)
 
     app.add_exception_handler(ServiceError, handle)

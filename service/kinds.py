@@ -12,8 +12,8 @@ from enum import StrEnum
 
 from fp8guard.wire import AckStatus, CommandKind
 
-__all__ = ["COMMAND_ACTIONS", "DIVERGENCE_RULES", "FP8_RULES", "ROLLBACK_RULES", "ActionKind", "ActionStatus", "Precision", "Rule",
-           "Severity"]
+__all__ = ["COMMAND_ACTIONS", "DIVERGENCE_RULES", "FP8_RULES", "ROLLBACK_RULES", "ActionKind", "ActionStatus",
+           "AuditEventKind", "Precision", "Role", "Rule", "Severity"]
 
 
 class Severity(StrEnum):
@@ -91,3 +91,23 @@ class Precision(StrEnum):
     BF16 = "bf16"
     PINNED = "pinned"
     """BF16 by an escalation: the policy never re-promotes it by itself."""
+
+
+class Role(StrEnum):
+    """What a token may do (``docs/security.md``). ``admin`` may do everything."""
+
+    INGEST = "ingest"
+    """Register runs, ingest, acknowledge commands, finish runs: only the runs the token registered,
+    or those under its run-id prefix. Reads its runs' commands (the long-poll)."""
+    READ = "read"
+    """Every query, the dashboards, ``/metrics`` and the API documentation."""
+    ADMIN = "admin"
+    """Guard and policy changes, tokens; everything the other roles may do."""
+
+
+class AuditEventKind(StrEnum):
+    """Run events the service writes itself. Agents cannot send them: ingest accepts only
+    ``wire.EventKind``, which does not list these."""
+
+    GUARD_CHANGED = "guard_changed"
+    """A run's guard was set or changed: who (token name), old -> new."""

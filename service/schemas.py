@@ -12,11 +12,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 
 from fp8guard import wire
-from fp8guard.service.domain import ActionRecord, CheckpointRecord, FindingRecord, PrecisionRecord
-from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Rule, Severity
+from fp8guard.service.domain import (
+    ActionRecord,
+    CheckpointRecord,
+    FindingRecord,
+    PrecisionRecord,
+    TokenRecord,
+)
+from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Role, Rule, Severity
 
 __all__ = [
     "MAX_STEP",
+    "TOKEN_NAME_PATTERN",
     "ActionOut",
     "CheckpointOut",
     "CommandAckIn",
@@ -39,6 +46,9 @@ __all__ = [
     "TensorOut",
     "TensorSeriesOut",
     "TensorStatsIn",
+    "TokenCreatedOut",
+    "TokenIn",
+    "TokenOut",
 ]
 
 STAT_NAME = r"^[a-z][a-z0-9_]{0,63}$"
@@ -377,3 +387,33 @@ class CheckpointOut(BaseModel):
     @classmethod
     def of(cls, c: CheckpointRecord) -> CheckpointOut:
         return cls(rank=c.rank, segment=c.segment, step=c.step, path=c.path, known_good=c.known_good)
+
+
+TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@:/+-]{0,127}$"
+"""Token names appear in audit events and logs: printable, no spaces."""
+
+
+class TokenIn(BaseModel):
+    model_config = _strict
+    name: str = Field(pattern=TOKEN_NAME_PATTERN, description="who or what holds it")
+    role: Role
+    run_prefix: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@+-]+$",
+                                   description="ingest tokens only: the run ids it may write")
+
+
+class TokenOut(BaseModel):
+    name: str
+    role: Role
+    run_prefix: str | None
+    hint: str = Field(description="the token's first characters")
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def of(cls, t: TokenRecord) -> TokenOut:
+        return cls(name=t.name, role=t.role, run_prefix=t.run_prefix, hint=t.hint, created_at=t.created_at,
+                   revoked_at=t.revoked_at)
+
+
+class TokenCreatedOut(TokenOut):
+    token: str = Field(description="the secret: shown this once, stored only as a digest")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 from platformdirs import user_data_dir
@@ -11,7 +12,14 @@ from sqlalchemy.engine import make_url
 
 from fp8guard.service.alerts.config import AlertSettings
 
-__all__ = ["Settings", "default_database_url"]
+__all__ = ["AuthMode", "Settings", "default_database_url"]
+
+
+class AuthMode(StrEnum):
+    REQUIRED = "required"
+    """Every route but ``/healthz`` and the login page needs a token (``docs/security.md``)."""
+    OFF = "off"
+    """Anyone who reaches the port is the administrator: for a service on loopback only."""
 
 
 def default_database_url() -> str:
@@ -29,8 +37,23 @@ class Settings(BaseSettings):
     """SQLAlchemy URL: ``sqlite:///path.db`` (default) or ``postgresql://user@host/db`` (psycopg 3)."""
     max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
     """Largest request body accepted as sent (compressed or not); larger gets 413."""
-    max_decompressed_bytes: int = Field(default=256 * 2**20, ge=1024)
-    """Largest body after gunzip, a guard against compression bombs."""
+    max_decompressed_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Largest body after gunzip: the same ceiling as ``max_body_bytes``, so compression saves
+    bandwidth but never raises what one request may carry (at 256 MiB a 255 KB gzip bomb was
+    inflated whole and peaked at 1.45 GB RSS). The agent's default batch (50 steps) of 10,000
+    tensors x 8 stats is ~21 MB of base64; the large-batch benchmark's 2.1 MB."""
+    max_inflight_body_bytes: int = Field(default=128 * 2**20, ge=1024)
+    """Bytes of request bodies this process holds at once (being read or parsed); a body
+    that would pass it gets 503 with Retry-After, which agents retry. Parsing and decoding hold
+    about two more copies, so the ingest path's memory stays near 3x this whatever arrives (three
+    concurrent bombs used to take 2.3 GB). Never below ``max_decompressed_bytes``."""
+    max_event_data_bytes: int = Field(default=64 * 2**10, ge=256)
+    """Largest ``data`` of one event, as compact JSON. The agent's events (acks, checkpoints, notes,
+    precision changes) are under 2 KB; a stored event is served to every dashboard load, so a
+    250 MB one cost 7.6 s and 262 MB per page view."""
+    max_batch_event_bytes: int = Field(default=1 * 2**20, ge=256)
+    """Largest total ``data`` of a batch's events: 16 events at the per-event ceiling, or ~500 of
+    the agent's."""
     max_width: int = Field(default=20_000, ge=1)
     """Most columns a downsampled query may ask for."""
     alerts: AlertSettings = Field(default_factory=AlertSettings)
@@ -56,6 +79,22 @@ class Settings(BaseSettings):
     service process; those of this process wake it at once)."""
     long_poll_max_s: float = Field(default=60.0, gt=0, le=300)
     """Longest wait a long-poll on commands may ask for."""
+    auth: AuthMode = AuthMode.REQUIRED
+    """``required``: tokens with roles (``fp8guard token create``). ``fp8guard serve`` turns it off
+    on a loopback address unless ``FP8GUARD_AUTH`` says otherwise, and refuses to serve beyond
+    loopback with it off unless told ``--insecure``."""
+    auth_cache_s: float = Field(default=5.0, ge=0, le=300)
+    """How long a token look-up is reused: a revoked token stops working within this time in
+    every process (each request would otherwise cost a database read)."""
+    trusted_auth_header: str | None = Field(default=None, min_length=1, max_length=64)
+    """A header an SSO proxy sets to the signed-in user (e.g. ``X-Forwarded-Email`` from
+    oauth2-proxy); its value is trusted as a ``read`` user. Off by default: set it only when the
+    service is reachable through that proxy alone, since anyone else could send the header."""
+    session_max_age_s: int = Field(default=12 * 3600, ge=60, le=30 * 86400)
+    """How long a browser session opened on the login page lasts."""
+    secure_cookies: bool = False
+    """Mark the session cookie ``Secure`` even when the request arrived over plain HTTP (a TLS
+    proxy in front); requests that arrive over HTTPS always get a ``Secure`` cookie."""
     check_schema: bool = True
     """Refuse to start unless the schema is at the newest migration (turn off only in tests)."""
 

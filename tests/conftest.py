@@ -66,6 +66,6 @@ def client(migrated_url: str) -> Iterator[object]:
 
     from fp8guard.service import Settings, create_app
 
-    app = create_app(Settings(database_url=migrated_url))
+    app = create_app(Settings(database_url=migrated_url, auth="off"))
     with TestClient(app) as c:
         yield c

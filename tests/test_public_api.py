@@ -14,6 +14,10 @@ PUBLIC = {
         "RUN_ID_PATTERN", "STEP_FIELDS", "AckStatus", "Command", "CommandAck", "CommandKind", "EventKind", "decode_f32", "decode_float", "dumps", "encode_f32",
         "encode_float", "gzip_body", "make_batch", "new_batch_id", "tensor_stats_block",
     ],
+    "fp8guard.service.auth": [
+        "AUTH_RESPONSES", "SESSION_COOKIE", "AdminAccess", "Authenticator", "FollowAccess", "IngestAccess", "Principal",
+        "ReadAccess", "require",
+    ],
     "fp8guard.service.store": ["Store", "Window", "make_engine", "upgrade", "verify_schema"],
     "fp8guard.agent": [
         "AgentError", "ConfigError", "EmulationConfig", "Fp8Emulation", "HttpTransport", "JsonlFileTransport",

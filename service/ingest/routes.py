@@ -1,5 +1,9 @@
-"""The agent's write endpoints: ``PUT /v1/runs/{run_id}`` (register or resume) and
-``POST /v1/ingest`` (one batch of telemetry, idempotent by ``batch_id``)."""
+"""The write endpoints: ``PUT /v1/runs/{run_id}`` (register or resume), ``POST /v1/ingest`` (one
+batch of telemetry, idempotent by ``batch_id``), and ``PUT /v1/runs/{run_id}/guard`` (an admin's
+change of a run's detection and policy, audited).
+
+An ingest token writes only the runs it registered or those under its run-id prefix; a run's
+guard is set by whoever creates the run, and changed later only by an admin."""
 
 from __future__ import annotations
 
@@ -8,10 +12,15 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from fp8guard.service.auth import AUTH_RESPONSES, AdminAccess, IngestAccess
+from fp8guard.service.auth.access import authenticator
 from fp8guard.service.deps import CommitterDep, SettingsDep, StoreDep
 from fp8guard.service.domain import Batch, RunSpec
+from fp8guard.service.errors import Forbidden
 from fp8guard.service.ingest.body import read_body
-from fp8guard.service.ingest.decode import decode_batch
+from fp8guard.service.ingest.decode import EventLimits, decode_batch
+from fp8guard.service.kinds import Role
+from fp8guard.service.loop.config import GuardConfig
 from fp8guard.service.queries.runs import RunId, run_out
 from fp8guard.service.schemas import CommandOut, IngestBatchIn, IngestResultOut, RunIn, RunOut
 
@@ -30,6 +39,8 @@ _BODY_DOC = {
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/IngestBatchIn"}}},
     },
     "responses": {
+        "401": {"description": "No valid token"},
+        "403": {"description": "The token may not write this run"},
         "413": {"description": "Body too large (as sent or once decompressed)"},
         "400": {"description": "Undecodable body (bad gzip, unsupported Content-Encoding)"},
         "404": {"description": "Run not registered"},
@@ -40,16 +51,37 @@ _BODY_DOC = {
 
 
 @router.put("/v1/runs/{run_id}", response_model=RunOut, summary="Register a run, or resume it", tags=["runs"],
-            responses={201: {"model": RunOut, "description": "Created"}, 200: {"description": "Resumed"}})
-def register_run(run_id: RunId, body: RunIn, store: StoreDep, response: Response) -> RunOut:
-    """Idempotent: every rank may call it; the first creates the run, later calls resume it."""
+            responses={201: {"model": RunOut, "description": "Created"}, 200: {"description": "Resumed"},
+                       **AUTH_RESPONSES})
+def register_run(run_id: RunId, body: RunIn, store: StoreDep, response: Response, request: Request,
+                 principal: IngestAccess) -> RunOut:
+    """Idempotent: every rank may call it; the first creates the run, later calls resume it. A
+    resume that would change the run's guard needs an admin token (``PUT .../guard`` too)."""
+    authenticator(request).check_run(principal, run_id)
+    if body.guard is not None and not principal.has(Role.ADMIN):
+        exists, _ = store.run_owner(run_id)
+        if exists and store.run(run_id).guard != body.guard:
+            raise Forbidden("changing a run's guard needs an admin token (PUT /v1/runs/{run_id}/guard)",
+                            loc=("body", "guard"))
     run, created = store.register_run(RunSpec(run_id=run_id, model=body.model, recipe=body.recipe,
-                                              world_size=body.world_size, config=body.config, guard=body.guard))
+                                              world_size=body.world_size, config=body.config, guard=body.guard),
+                                      owner_token_id=principal.token_id, actor=principal.name)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return run_out(run)
 
 
-def _parse(body: bytes) -> Batch:
+@router.put("/v1/runs/{run_id}/guard", response_model=GuardConfig, tags=["closed loop"],
+            summary="Change a run's detection and policy (admin; audited as a guard_changed event)",
+            responses={404: {"description": "Run not registered"}, **AUTH_RESPONSES})
+def set_guard(run_id: RunId, body: GuardConfig, store: StoreDep, principal: AdminAccess) -> GuardConfig:
+    """Replace the run's overrides with the fields ``body`` sets; the answer is the guard in force
+    (every default with the overrides applied), as ``GET .../guard`` reads it."""
+    overrides = body.model_dump(mode="json", exclude_unset=True)
+    store.set_guard(run_id, overrides, principal.name)
+    return GuardConfig.model_validate(overrides)
+
+
+def _parse(body: bytearray, limits: EventLimits) -> Batch:
     try:
         parsed = IngestBatchIn.model_validate_json(body)
     except ValidationError as exc:
@@ -57,19 +89,25 @@ def _parse(body: bytes) -> Batch:
         errors = [{"loc": ("body", *e["loc"]), "msg": e["msg"], "type": e["type"]}
                   for e in exc.errors(include_url=False, include_context=False, include_input=False)]
         raise RequestValidationError(errors) from None
-    return decode_batch(parsed)
+    return decode_batch(parsed, limits)
 
 
 @router.post("/v1/ingest", response_model=IngestResultOut, openapi_extra=_BODY_DOC,
              summary="Store one batch of telemetry (idempotent by batch_id)")
-async def ingest(request: Request, committer: CommitterDep, settings: SettingsDep) -> IngestResultOut:
+async def ingest(request: Request, committer: CommitterDep, settings: SettingsDep,
+                 principal: IngestAccess) -> IngestResultOut:
     """A batch is stored completely or not at all, and answered once it is durable. Re-sending a
     stored ``batch_id`` changes nothing and answers ``duplicate: true``, so clients retry freely.
     The answer carries the run's pending commands; the loop judges the batch right after, and a
     command it issues reaches ``GET /v1/runs/{run_id}/commands?wait=S`` at once."""
-    body = await read_body(request, settings)
-    batch = _parse(body) if len(body) <= _INLINE_PARSE_BYTES else await run_in_threadpool(_parse, body)
+    limits = EventLimits(per_event=settings.max_event_data_bytes, per_batch=settings.max_batch_event_bytes)
+    async with read_body(request, settings) as body:  # counted against the in-flight budget while parsed
+        size = len(body)
+        batch = _parse(body, limits) if size <= _INLINE_PARSE_BYTES else await run_in_threadpool(_parse, body, limits)
+    auth = authenticator(request)
+    if auth.enabled and principal.role is not Role.ADMIN:
+        await run_in_threadpool(auth.check_run, principal, batch.run_id)  # a cached read once the run is known
     result = await committer.submit(batch)
-    request.app.state.metrics.observe(result, len(body))
+    request.app.state.metrics.observe(result, size)
     return IngestResultOut(batch_id=result.batch_id, duplicate=result.duplicate, steps=result.steps,
                            samples=result.samples, commands=[CommandOut.of(c) for c in result.commands])

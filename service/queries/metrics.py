@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -291,11 +291,12 @@ class AlertCollector(Collector):
         yield outbox
 
 
-def install_metrics(app: FastAPI, store: _RunMetricsSource, *, max_runs: int = 100) -> None:
+def install_metrics(app: FastAPI, store: _RunMetricsSource, *, max_runs: int = 100,
+                    dependencies: Sequence[Any] = ()) -> None:
     """Add ``GET /metrics`` and the request middleware to ``app``.
 
     ``app.state.metrics`` becomes the ``IngestMetrics`` the ingest route reports to, and
-    ``app.state.metrics_registry`` the registry. Call it once, before the app starts::
+    ``app.state.metrics_registry`` the registry; ``dependencies`` gate the route (a read token). Call it once, before the app starts::
 
         app = create_app(settings)
         install_metrics(app, app.state.store, max_runs=100)
@@ -324,7 +325,7 @@ def install_metrics(app: FastAPI, store: _RunMetricsSource, *, max_runs: int = 1
     app.state.metrics = ingest
     app.state.metrics_registry = registry
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get("/metrics", include_in_schema=False, dependencies=list(dependencies))
     def metrics(request: Request) -> Response:
         # A plain route (sync, so the database reads run in the threadpool): no Mount, no 307.
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))

@@ -44,10 +44,12 @@ __all__ = [
     "SqlRun",
     "SqlRunRank",
     "SqlSegment",
+    "SqlSession",
     "SqlStat",
     "SqlStep",
     "SqlTensor",
     "SqlTensorSeries",
+    "SqlToken",
 ]
 
 # Deterministic constraint names, so Alembic can alter them and the model/migration check is exact.
@@ -95,6 +97,9 @@ class SqlRun(Base):
     """Per-run detection thresholds and policy overrides (``GuardConfig`` fields), dry_run included."""
     status: Mapped[str] = mapped_column(String(16), default="running")
     """running | finished | failed; set by run_finished / run_failed events."""
+    owner_token_id: Mapped[int | None] = mapped_column(Integer)
+    """The ingest token that registered the run (migration 0004): an ingest token without a run-id
+    prefix may write only to runs it registered. NULL: registered without authentication."""
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime())
 
@@ -352,3 +357,37 @@ class SqlAlert(Base):
     sent_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
     active_until: Mapped[datetime | None] = mapped_column(UtcDateTime())
     """Alertmanager alerts are re-sent while active and resolved (endsAt=now) after."""
+
+
+# -- authentication (migration 0004) ----------------------------------------------------------------
+
+
+class SqlToken(Base):
+    """An API token. Only the SHA-256 of the secret is stored: the token is shown once, at creation.
+    Revoked tokens stay (with ``revoked_at``) so the audit trail keeps naming them."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    """Who or what holds it; audit events name it. Unique among tokens not revoked."""
+    role: Mapped[str] = mapped_column(String(16))
+    """``kinds.Role``"""
+    run_prefix: Mapped[str | None] = mapped_column(String(128))
+    """Ingest tokens only: the run ids it may write (every run under the prefix)."""
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    hint: Mapped[str] = mapped_column(String(16))
+    """The token's first characters, to recognise it in a list."""
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+
+
+class SqlSession(Base):
+    """A browser session opened with a token on the login page; it dies with its token."""
+
+    __tablename__ = "sessions"
+
+    secret_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_id: Mapped[int] = mapped_column(ForeignKey("tokens.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime())

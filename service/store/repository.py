@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -31,11 +31,14 @@ from fp8guard.service.domain import (
     TensorInfo,
     TensorMatrix,
     TensorSeries,
+    TokenRecord,
 )
 from fp8guard.service.errors import Conflict, InvalidPayload, ServiceError, StorageUnavailable
+from fp8guard.service.kinds import Role
 from fp8guard.service.store import records
 from fp8guard.service.store import series_reader as reader
 from fp8guard.service.store import telemetry_writer as writer
+from fp8guard.service.store import tokens as token_rows
 from fp8guard.service.store.engine import make_engine, verify_schema
 from fp8guard.service.store.loop_state import LoopTxn
 from fp8guard.service.store.models import SqlLoopQueue, SqlRun
@@ -111,25 +114,87 @@ class Store:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def register_run(self, spec: RunSpec) -> tuple[RunSummary, bool]:
-        """Create the run, or return the existing one (resume). Returns (run, created)."""
+    def register_run(self, spec: RunSpec, *, owner_token_id: int | None = None,
+                     actor: str = "anonymous") -> tuple[RunSummary, bool]:
+        """Create the run, or return the existing one (resume). Returns (run, created).
+
+        A guard set or changed here is recorded as a ``guard_changed`` event naming ``actor``,
+        in the same transaction; a resume without a guard keeps the stored one."""
         now = datetime.now(UTC)
         with self._session() as s:
             conn = s.connection()
-            created = conn.execute(
+            created_pk = conn.execute(
                 writer.upsert_insert(conn)(SqlRun)
                 .values(run_id=spec.run_id, model=spec.model, recipe=spec.recipe, world_size=spec.world_size,
-                        config=spec.config, guard=spec.guard, status="running", created_at=now, updated_at=now)
+                        config=spec.config, guard=spec.guard, status="running", created_at=now, updated_at=now,
+                        owner_token_id=owner_token_id)
                 .on_conflict_do_nothing()
                 .returning(SqlRun.id)
-            ).first() is not None
-            if not created:
+            ).scalar()
+            if created_pk is not None:
+                if spec.guard is not None:
+                    token_rows.audit_guard(conn, int(created_pk), None, spec.guard, actor, now)
+            else:
                 # A resumed run may come back with a new world size or config: the latest wins.
+                pk, old_guard = conn.execute(sa.select(SqlRun.id, SqlRun.guard)
+                                             .where(SqlRun.run_id == spec.run_id)).one()
                 changes = {k: v for k, v in (("model", spec.model), ("recipe", spec.recipe),
                                               ("config", spec.config), ("guard", spec.guard)) if v is not None}
-                conn.execute(sa.update(SqlRun).where(SqlRun.run_id == spec.run_id)
+                conn.execute(sa.update(SqlRun).where(SqlRun.id == pk)
                              .values(world_size=spec.world_size, updated_at=now, status="running", **changes))
-        return self.run(spec.run_id).summary, created
+                if spec.guard is not None and spec.guard != old_guard:
+                    token_rows.audit_guard(conn, int(pk), old_guard, spec.guard, actor, now)
+        return self.run(spec.run_id).summary, created_pk is not None
+
+    def set_guard(self, run_id: str, guard: dict[str, Any], actor: str) -> dict[str, Any] | None:
+        """Replace the run's guard overrides (audited as ``guard_changed``); returns the old ones."""
+        now = datetime.now(UTC)
+        with self._session() as s:
+            conn = s.connection()
+            pk = reader.run_pk(conn, run_id)
+            old: dict[str, Any] | None = conn.scalar(sa.select(SqlRun.guard).where(SqlRun.id == pk))
+            if old != guard:
+                conn.execute(sa.update(SqlRun).where(SqlRun.id == pk).values(guard=guard, updated_at=now))
+                token_rows.audit_guard(conn, pk, old, guard, actor, now)
+        return old
+
+    # -- tokens, sessions, run ownership --------------------------------------------------------
+
+    def create_token(self, *, name: str, role: Role, run_prefix: str | None, secret_hash: str,
+                     hint: str) -> TokenRecord:
+        with self._session() as s:
+            return token_rows.insert_token(s, name=name, role=role, run_prefix=run_prefix, secret_hash=secret_hash,
+                                       hint=hint, now=datetime.now(UTC))
+
+    def tokens(self, *, include_revoked: bool = False) -> list[TokenRecord]:
+        with self._session() as s:
+            return token_rows.token_list(s, include_revoked=include_revoked)
+
+    def revoke_token(self, name: str) -> TokenRecord:
+        with self._session() as s:
+            return token_rows.revoke_token(s, name, datetime.now(UTC))
+
+    def token_by_hash(self, secret_hash: str) -> TokenRecord | None:
+        with self._session() as s:
+            return token_rows.token_by_hash(s.connection(), secret_hash)
+
+    def open_session(self, secret_hash: str, token_id: int, expires_at: datetime) -> None:
+        with self._session() as s:
+            token_rows.insert_session(s, secret_hash=secret_hash, token_id=token_id, now=datetime.now(UTC),
+                                  expires_at=expires_at)
+
+    def session_token(self, secret_hash: str) -> TokenRecord | None:
+        with self._session() as s:
+            return token_rows.session_token(s.connection(), secret_hash, datetime.now(UTC))
+
+    def close_session(self, secret_hash: str) -> None:
+        with self._session() as s:
+            token_rows.delete_session(s, secret_hash)
+
+    def run_owner(self, run_id: str) -> tuple[bool, int | None]:
+        """(the run exists, the token that registered it)."""
+        with self._session() as s:
+            return token_rows.run_owner(s.connection(), run_id)
 
     def ingest(self, batch: Batch) -> IngestResult:
         """Store one batch in its own transaction (with the run's pending commands)."""

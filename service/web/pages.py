@@ -6,6 +6,10 @@ Pages: ``/`` (runs), ``/runs/{run_id}`` (one run), ``/compare?run=A&baseline=B``
 tensor and module names are user data: the shells only place them in escaped attributes, and
 the scripts build the DOM with ``textContent``.
 
+Every page needs a ``read`` principal (``service/auth``): a browser without one is sent to
+``/login``, which trades a token for an HttpOnly, SameSite=Strict session cookie that the
+pages' own fetches then carry. Static files are public (they are the service's code, not data).
+
 Wiring: ``app.include_router(web_router())`` after ``create_app``.
 """
 
@@ -16,15 +20,20 @@ import hashlib
 import html
 import re
 import threading
+from datetime import UTC, datetime, timedelta
 from importlib import resources
 from string import Template
 from typing import Annotated
+from urllib.parse import parse_qs, quote
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, RedirectResponse
 
 from fp8guard import wire
+from fp8guard.service.auth import SESSION_COOKIE, Authenticator, Principal
+from fp8guard.service.auth import tokens as auth_tokens
+from fp8guard.service.kinds import Role
 
 __all__ = ["web_router"]
 
@@ -93,6 +102,42 @@ def _page(assets: _Assets, template: str, *, title: str, script: str, data: dict
                                        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
 
 
+def _login_page(assets: _Assets, *, next_url: str, error: str = "", status_code: int = 200) -> HTMLResponse:
+    body = assets.templates["login"].substitute(
+        title="fp8guard: sign in", css=assets.url("style.css"), next=html.escape(next_url, quote=True),
+        error=html.escape(error), error_hidden="" if error else "hidden",
+    )
+    return HTMLResponse(body, status_code=status_code,
+                        headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-store",
+                                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
+
+
+def _local(next_url: str | None) -> str:
+    """Only a path of this site may follow a login (never ``//host`` or ``https://...``)."""
+    if not next_url or not next_url.startswith("/") or next_url.startswith("//") or "\\" in next_url:
+        return "/"
+    return next_url
+
+
+def _auth(request: Request) -> Authenticator:
+    auth: Authenticator = request.app.state.auth
+    return auth
+
+
+def _reader(request: Request) -> Principal:
+    """A page's reader; anonymous browsers go to the login page, and come back after it."""
+    principal = _auth(request).principal(request)
+    if principal is None:
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        raise HTTPException(status_code=303, headers={"Location": f"/login?next={quote(target, safe='')}"})
+    if not principal.has(Role.READ):
+        raise HTTPException(status_code=403, detail=f"token {principal.name!r} cannot read dashboards")
+    return principal
+
+
+_MAX_LOGIN_BODY = 4096
+
+
 RunIdPath = Annotated[str, PathParam(pattern=wire.RUN_ID_PATTERN, max_length=128)]
 RunIdQuery = Annotated[str | None, Query(pattern=wire.RUN_ID_PATTERN, max_length=128)]
 
@@ -102,18 +147,57 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
     assets = _Assets()
     poll = str(max(0.5, float(poll_seconds)))
     router = APIRouter(tags=["dashboards"], include_in_schema=False)
+    pages = APIRouter(dependencies=[Depends(_reader)])
 
-    @router.get("/", response_class=HTMLResponse)
+    @router.get("/login", response_class=HTMLResponse)
+    def login_page(next: str | None = None) -> HTMLResponse:
+        return _login_page(assets, next_url=_local(next))
+
+    @router.post("/login", response_class=HTMLResponse)
+    async def login(request: Request) -> Response:
+        """Trade a token (form field ``token``) for a session cookie; refuse ingest-only tokens."""
+        body = await request.body()
+        form = parse_qs(body[:_MAX_LOGIN_BODY].decode("utf-8", "replace"))
+        next_url = _local((form.get("next") or ["/"])[0])
+        token = (form.get("token") or [""])[0].strip()
+        auth = _auth(request)
+        if not auth.enabled:
+            return RedirectResponse(next_url, status_code=303)
+        record = auth.token(token) if token else None
+        if record is None:
+            return _login_page(assets, next_url=next_url, error="Unknown or revoked token.", status_code=401)
+        if not Principal.of(record).has(Role.READ):
+            return _login_page(assets, next_url=next_url, status_code=403,
+                               error=f"Token {record.name!r} has role {record.role}: it cannot read dashboards.")
+        secret = auth_tokens.new_secret()
+        expires = datetime.now(UTC) + timedelta(seconds=auth.session_max_age_s)
+        auth.store.open_session(auth_tokens.digest(secret), record.id, expires)
+        response = RedirectResponse(next_url, status_code=303)
+        response.set_cookie(SESSION_COOKIE, secret, max_age=auth.session_max_age_s, path="/", httponly=True,
+                            samesite="strict", secure=auth.secure_cookies or request.url.scheme == "https")
+        return response
+
+    @router.post("/logout")
+    def logout(request: Request) -> Response:
+        cookie = request.cookies.get(SESSION_COOKIE)
+        if cookie:
+            _auth(request).store.close_session(auth_tokens.digest(cookie))
+            _auth(request).forget()
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    @pages.get("/", response_class=HTMLResponse)
     def runs_page() -> HTMLResponse:
         return _page(assets, "runs", title="fp8guard: runs", script="runs.js", data={"poll": poll})
 
-    @router.get("/runs/{run_id}", response_class=HTMLResponse)
+    @pages.get("/runs/{run_id}", response_class=HTMLResponse)
     def run_page(run_id: RunIdPath, request: Request) -> HTMLResponse:
         request.app.state.store.run(run_id)  # 404 (the API's error shape) for an unknown run
         return _page(assets, "run", title=f"fp8guard: {run_id}", script="run.js",
                      data={"poll": poll, "run-id": run_id})
 
-    @router.get("/compare", response_class=HTMLResponse)
+    @pages.get("/compare", response_class=HTMLResponse)
     def compare_page(run: RunIdQuery = None, baseline: RunIdQuery = None) -> HTMLResponse:
         return _page(assets, "compare", title="fp8guard: compare", script="compare.js",
                      data={"poll": poll, "run": run or "", "baseline": baseline or ""})
@@ -132,4 +216,5 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
             return Response(asset.gzipped(), media_type=asset.media_type, headers=headers)
         return Response(asset.body, media_type=asset.media_type, headers=headers)
 
+    router.include_router(pages)
     return router

@@ -97,7 +97,7 @@ def test_not_json_and_bad_gzip(client) -> None:
 
 
 def test_oversized_and_gzip_bomb(migrated_url: str) -> None:
-    app = create_app(Settings(database_url=migrated_url, max_body_bytes=4096, max_decompressed_bytes=65536))
+    app = create_app(Settings(database_url=migrated_url, auth="off", max_body_bytes=4096, max_decompressed_bytes=65536))
     with TestClient(app) as c:
         r = c.post("/v1/ingest", content=b"x" * 5000)
         assert r.status_code == 413 and _loc(r) == ["header", "content-length"]

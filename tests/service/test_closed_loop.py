@@ -19,7 +19,7 @@ def _steps(run_id: str, steps: list[int], loss: Any, **kw: Any) -> dict[str, Any
 
 
 def test_loss_spike_to_rollback_command_ack_and_alert(migrated_url: str, receiver: Receiver) -> None:  # noqa: F811
-    settings = Settings(database_url=migrated_url,
+    settings = Settings(database_url=migrated_url, auth="off",
                         alerts=AlertSettings(webhooks=[WebhookSink(url=receiver.url("/hook"), secret=SECRET)]))
     app = create_app(settings)
     with TestClient(app) as client:

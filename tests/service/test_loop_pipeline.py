@@ -204,7 +204,7 @@ def test_batches_left_unjudged_by_a_crash_are_judged_after_restart(migrated_url:
         store.ingest(decode_batch(IngestBatchIn.model_validate_json(wire.dumps(payload))))
     finally:
         store.close()  # "crash": nothing judged it
-    app = create_app(Settings(database_url=migrated_url, loop_sweep_interval_s=0.1))
+    app = create_app(Settings(database_url=migrated_url, auth="off", loop_sweep_interval_s=0.1))
     with TestClient(app) as c:
         findings = _wait_for(lambda: c.get("/v1/runs/crashed/findings").json(), timeout=20)
         assert [(f["rule"], f["step"]) for f in findings] == [("inf_amax", 9)]

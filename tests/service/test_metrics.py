@@ -28,6 +28,8 @@ from fp8guard.service.domain import IngestResult
 from fp8guard.service.queries.metrics import AlertCollector, RunCollector, install_metrics
 from tests.helpers import batch, post, register
 
+ROOT = Path(__file__).resolve().parents[2]
+
 STATS = ("amax", "saturation", "underflows")
 
 
@@ -46,7 +48,11 @@ def make_client(url: str, **kw: Any) -> Any:
 
     from fp8guard.service import Settings, create_app
 
-    app = create_app(Settings(database_url=url))
+    app = create_app(Settings(database_url=url, auth="required"))
+    from fp8guard.service.auth.tokens import issue_token
+    from fp8guard.service.kinds import Role
+
+    tokens = {role.value: issue_token(app.state.store, name=f"t-{role}", role=role)[0] for role in Role}
     if getattr(app.state, "metrics_registry", None) is None:  # create_app may install them itself
         install_metrics(app, app.state.store, **kw)
     return TestClient(app)
@@ -232,8 +238,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[str]:
-    """The app with metrics under uvicorn in a thread, on SQLite; yields host:port."""
+def served(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """The app with metrics and authentication under uvicorn in a thread, on SQLite; yields
+    host:port and a token per role."""
     import uvicorn
 
     from fp8guard.service import Settings, create_app
@@ -243,7 +250,11 @@ def served(tmp_path: Path) -> Iterator[str]:
     engine = make_engine(url)
     upgrade(engine)
     engine.dispose()
-    app = create_app(Settings(database_url=url))
+    app = create_app(Settings(database_url=url, auth="required"))
+    from fp8guard.service.auth.tokens import issue_token
+    from fp8guard.service.kinds import Role
+
+    tokens = {role.value: issue_token(app.state.store, name=f"t-{role}", role=role)[0] for role in Role}
     if getattr(app.state, "metrics_registry", None) is None:
         install_metrics(app, app.state.store)
     port = _free_port()
@@ -256,24 +267,33 @@ def served(tmp_path: Path) -> Iterator[str]:
             pytest.fail("uvicorn did not start")
         time.sleep(0.05)
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", tokens
     finally:
         server.should_exit = True
         thread.join(30)
 
 
 @pytest.mark.slow
-def test_real_prometheus_scrapes_run_gauges(served: str, tmp_path: Path) -> None:
+def test_real_prometheus_scrapes_run_gauges(served: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    """Prometheus scrapes with a read token from a credentials file, as the provisioning example
+    in dashboards/provisioning/prometheus.yml shows."""
     binary = tool("prometheus")
-    with httpx.Client(base_url=f"http://{served}") as api:
+    address, tokens = served
+    with httpx.Client(base_url=f"http://{address}") as anonymous:
+        assert anonymous.get("/metrics").status_code == 401
+    with httpx.Client(base_url=f"http://{address}", headers={"authorization": f"Bearer {tokens['ingest']}"}) as api:
+        assert api.get("/metrics").status_code == 403
         register(api, "prom-run")
         assert post(api, batch("prom-run", [7, 8, 9], stats=STATS)).status_code == 200
     port = _free_port()
+    secret = tmp_path / "fp8guard-read-token"
+    secret.write_text(tokens["read"] + "\n")
+    example = (ROOT / "dashboards" / "provisioning" / "prometheus-scrape.yaml").read_text()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: fp8guard\n    scrape_interval: 1s\n"
-        f"    static_configs:\n      - targets: ['{served}']\n"
+        + example.replace("scrape_interval: 15s", "scrape_interval: 1s")
+        .replace("/etc/prometheus/fp8guard-token", str(secret)).replace("fp8guard.internal:8000", address)
     )
     log = (tmp_path / "prometheus.log").open("w+")
     proc = subprocess.Popen(

@@ -42,7 +42,7 @@ def test_downgrade_then_upgrade_round_trip(db_url: str) -> None:
 
 def test_service_refuses_schema_not_at_head(db_url: str) -> None:
     with pytest.raises(SchemaNotAtHead, match="fp8guard db upgrade --database-url"):
-        create_app(Settings(database_url=db_url))
+        create_app(Settings(database_url=db_url, auth="off"))
 
 
 def test_migrations_do_not_import_models() -> None:

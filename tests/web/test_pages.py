@@ -54,7 +54,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     engine = make_engine(url)
     upgrade(engine)
     engine.dispose()
-    app = create_app(Settings(database_url=url))
+    app = create_app(Settings(database_url=url, auth="off"))
     if not any(getattr(r, "path", None) == "/static/{name}" for r in app.routes):
         app.include_router(web_router(poll_seconds=1.0))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

@@ -15,6 +15,9 @@
     const url = new URL(path, window.location.origin);
     if (params) for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== null) url.searchParams.set(k, String(v));
     const r = await fetch(url.toString(), { headers: { accept: "application/json" } });
+    if (r.status === 401) {  /* the session ended (expired, logged out, token revoked): sign in again */
+      window.location.assign("/login?next=" + encodeURIComponent(window.location.pathname + window.location.search));
+    }
     if (!r.ok) {
       let detail = r.status + " " + r.statusText;
       try { const body = await r.json(); if (body && body.detail) detail += ": " + JSON.stringify(body.detail); } catch (e) { /* not JSON */ }

@@ -1,0 +1,18 @@
+"""Authentication and roles: tokens (``tokens``), who may do what (``access``), the token API
+(``routes``); the login page lives with the other pages (``service/web``). ``docs/security.md`` has the
+threat model."""
+
+from fp8guard.service.auth.access import (
+    AUTH_RESPONSES,
+    SESSION_COOKIE,
+    AdminAccess,
+    Authenticator,
+    FollowAccess,
+    IngestAccess,
+    Principal,
+    ReadAccess,
+    require,
+)
+
+__all__ = ["AUTH_RESPONSES", "SESSION_COOKIE", "AdminAccess", "Authenticator", "FollowAccess", "IngestAccess",
+           "Principal", "ReadAccess", "require"]
