@@ -313,17 +313,43 @@ def tensor_matrix(conn: sa.Connection, pk: int, stat: str, window: Window) -> Te
                         present=present, minimum=out_min, maximum=out_max, tensors=tensors)
 
 
+EVENT_DATA_READ_BYTES = 64 * 2**10
+"""Largest event ``data`` a read hands back; a larger one (stored before ingest bounded event
+sizes, or under a raised ``max_event_data_bytes``) comes back as ``{"truncated": true, "bytes":
+N}``, and is never loaded from the database: a 250 MB event was served to every dashboard load."""
+EVENTS_READ_BYTES = 8 * 2**20
+"""Most event data one read carries in all; the events after it keep their place in the list with
+truncated data (ask again from a later ``start`` step for theirs)."""
+
+
 def event_list(
     conn: sa.Connection, pk: int, *, kinds: Sequence[str] = (), start: int | None = None, end: int | None = None,
     limit: int = 1000,
 ) -> list[EventRecord]:
-    query = sa.select(SqlEvent).where(SqlEvent.run_pk == pk)
+    """Events in id order, each one's data and the whole answer bounded in bytes (the sizes are
+    measured in SQL, so an oversized event's data never leaves the database)."""
+    size = sa.func.length(sa.cast(SqlEvent.data, sa.Text))
+    query = sa.select(SqlEvent.id, size.label("size")).where(SqlEvent.run_pk == pk)
     if kinds:
         query = query.where(SqlEvent.kind.in_(list(kinds)))
     if start is not None:
         query = query.where(SqlEvent.step >= start)
     if end is not None:
         query = query.where(SqlEvent.step <= end)
-    rows = conn.execute(query.order_by(SqlEvent.id).limit(limit))
+    picked = query.order_by(SqlEvent.id).limit(limit).subquery()
+    running = sa.func.sum(picked.c.size).over(order_by=picked.c.id)
+    fits = sa.and_(picked.c.size <= EVENT_DATA_READ_BYTES, running <= EVENTS_READ_BYTES)
+    rows = conn.execute(
+        sa.select(SqlEvent.id, SqlEvent.kind, SqlEvent.step, SqlEvent.time, SqlEvent.rank, SqlEvent.segment,
+                  picked.c.size, sa.case((fits, SqlEvent.data), else_=sa.null()).label("data"))
+        .join(picked, picked.c.id == SqlEvent.id).order_by(SqlEvent.id))
     return [EventRecord(id=r.id, kind=r.kind, step=r.step, time=r.time, rank=r.rank, segment=r.segment,
-                        data=r.data or {}) for r in rows]
+                        data=_event_data(r.data, r.size)) for r in rows]
+
+
+def _event_data(data: dict[str, Any] | None, size: int | None) -> dict[str, Any]:
+    if data is not None:
+        return data
+    if size is None or size <= len("null"):
+        return {}  # stored as JSON null
+    return {"truncated": True, "bytes": int(size)}
