@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -25,6 +27,7 @@ class SpoolFull(Exception):
 
 @dataclass
 class SpoolEntry:
+    seq: int
     path: Path
     size: int
     steps: int | None  # None: a file of an earlier process, parsed only if it must be dropped
@@ -32,24 +35,30 @@ class SpoolEntry:
 
 
 class Spool:
-    """A directory of ``NNNNNNNNNNNN.json.gz`` files whose lexical order is the send order."""
+    """A directory of ``NNNNNNNNNNNN.json.gz`` files whose number is the send order.
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    The number is the batch's place in the order the transport admitted it (``seq``), not the
+    time it reached the disk: a batch that fails while later ones were already spooled takes
+    its own earlier place, so the backfill keeps the training order. ``make_dir`` creates the
+    folder on the first write (a private one for the default location); the folder is not
+    created as long as nothing must be spooled.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int, *, make_dir: Callable[[Path], None] | None = None) -> None:
         self.directory = directory
         self._max_bytes = max_bytes
-        directory.mkdir(parents=True, exist_ok=True)
+        self._make_dir = make_dir or _plain_mkdir
         self._entries: list[SpoolEntry] = []
-        for path in sorted(directory.iterdir()):
-            if SPOOL_NAME_RE.match(path.name):
-                try:
-                    size = path.stat().st_size
-                except OSError:  # vanished between listing and stat
-                    continue
-                self._entries.append(SpoolEntry(path, size, None, None))
+        names = sorted(p for p in directory.iterdir() if SPOOL_NAME_RE.match(p.name)) if directory.is_dir() else []
+        for path in names:
+            try:
+                size = path.stat().st_size
+            except OSError:  # vanished between listing and stat
+                continue
+            self._entries.append(SpoolEntry(_seq_of(path), path, size, None, None))
         self._bytes = sum(e.size for e in self._entries)
         # Continue after what an earlier process left, so a restart keeps the order.
-        match = SPOOL_NAME_RE.match(self._entries[-1].path.name) if self._entries else None
-        self._next_seq = int(match.group(1)) + 1 if match else 1
+        self.next_seq = self._entries[-1].seq + 1 if self._entries else 1
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -81,8 +90,9 @@ class Spool:
             entry.carried = carried_drops(payload)
         return entry.steps, entry.carried
 
-    def add(self, gz: bytes, *, steps: int, carried: tuple[int, int]) -> list[SpoolEntry]:
-        """Write one batch; returns the evicted oldest entries. Raises SpoolFull or OSError."""
+    def add(self, gz: bytes, *, seq: int, steps: int, carried: tuple[int, int]) -> list[SpoolEntry]:
+        """Write one batch at its place ``seq``; returns the evicted oldest entries. Raises
+        SpoolFull or OSError."""
         if len(gz) > self._max_bytes:
             raise SpoolFull
         evicted: list[SpoolEntry] = []
@@ -91,20 +101,33 @@ class Spool:
             self.describe(entry)  # before the file is gone
             self.remove(entry)
             evicted.append(entry)
-        self.directory.mkdir(parents=True, exist_ok=True)  # someone may have cleaned the tempdir
+        self._make_dir(self.directory)  # on the first write; again if someone cleaned it away
         while True:
-            path = self.directory / f"{self._next_seq:012d}.json.gz"
-            self._next_seq += 1
+            path = self.directory / f"{seq:012d}.json.gz"
             try:
                 # "x": never overwrite a file someone else put there; take the next number instead.
                 with path.open("xb") as f:
                     f.write(gz)
             except FileExistsError:
+                seq = max(seq + 1, self.next_seq)
+                self.next_seq = seq + 1
                 continue
             except OSError:
                 path.unlink(missing_ok=True)  # a partial file would be backfilled as bad gzip
                 raise
             break
-        self._entries.append(SpoolEntry(path, len(gz), steps, carried))
+        self.next_seq = max(self.next_seq, seq + 1)
+        bisect.insort(self._entries, SpoolEntry(seq, path, len(gz), steps, carried), key=lambda e: e.seq)
         self._bytes += len(gz)
         return evicted
+
+
+def _seq_of(path: Path) -> int:
+    match = SPOOL_NAME_RE.match(path.name)
+    return int(match.group(1)) if match else 0
+
+
+def _plain_mkdir(directory: Path) -> None:
+    """A folder the caller chose: created with its parents, the last one private (0700)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)

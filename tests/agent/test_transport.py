@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import random
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -580,11 +579,12 @@ def test_drop_report_is_kept_when_its_carrier_is_rejected(make_rig: Callable[...
     rig.clock.advance(60)
     rig.service.registered.add("run-1")
     rig.service.script = [httpx.Response(201), httpx.Response(422, json={"detail": "nope"})]
-    rig.transport.send(small(1))  # carried the report, refused
+    rig.transport.send(small(1))  # carried the report, refused: that batch is a loss too
     rig.transport.send(small(2))
     posts = rig.service.posts()
-    assert [p.body["events"][-1]["data"] for p in posts] == [{"batches": 1, "steps": 3}] * 2
-    assert rig.transport.stats().rejected_batches == 1
+    assert [p.body["events"][-1]["data"] for p in posts] == [{"batches": 1, "steps": 3}, {"batches": 2, "steps": 6}]
+    s = rig.transport.stats()
+    assert (s.rejected_batches, s.dropped_batches, s.dropped_steps) == (1, 2, 6)
 
 
 def test_restart_backfills_what_the_previous_process_spooled(make_rig: Callable[..., Rig],
@@ -638,14 +638,16 @@ def test_send_after_close_spools_for_the_next_process(make_rig: Callable[..., Ri
 
 
 def test_default_spool_dir_is_per_run_and_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     service = FakeService(up=False)
     t = HttpTransport(URL, RUN, client=httpx.Client(base_url=URL, transport=httpx.MockTransport(service)),
                       sleep=lambda s: None)
     assert t.spool_dir is None  # unknown until the first payload names its rank
     t.send(small(0, rank=5))
-    expected = tmp_path / "fp8guard-spool" / "run-1" / "rank-5"
+    expected = tmp_path / "cache" / "fp8guard" / "spool" / "run-1" / "rank-5"
     assert t.spool_dir == expected and [p.name for p in expected.iterdir()] == ["000000000001.json.gz"]
+    for d in (expected, expected.parent, expected.parent.parent, expected.parent.parent.parent):
+        assert d.stat().st_mode & 0o777 == 0o700  # private: the fp8guard root and everything below
     t.close()
 
 

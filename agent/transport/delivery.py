@@ -1,0 +1,218 @@
+"""One batch to the service: a POST retried with the same bytes, the run registered on the way.
+
+:class:`Courier` knows HTTP and nothing about ordering or the spool (that is
+:class:`~fp8guard.agent.transport.http.HttpTransport`'s job): it answers whether a body was
+delivered, refused for what it is (never retry it), or could not be delivered (keep it).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+import httpx
+
+from fp8guard.agent.transport.base import RunInfo, TransportStats
+from fp8guard.agent.transport.ratelimit import RateLimiter, suppressed_note
+from fp8guard.agent.transport.responses import describe_exception, error_detail, retry_after_s
+
+__all__ = ["AUTH_STATUSES", "Courier", "Outcome", "auth_headers"]
+
+log = logging.getLogger("fp8guard.agent.transport")
+
+AUTH_STATUSES = (401, 403)
+"""Not transient and not the payload's fault: the token is missing, invalid or lacks the role.
+Retrying at once cannot help, dropping would lose good data: such batches are spooled."""
+
+
+class Outcome(Enum):
+    DELIVERED = "delivered"  # stored, or a duplicate of a stored batch
+    REJECTED = "rejected"  # the service refused the payload itself: never retry it
+    FAILED = "failed"  # transient trouble (or a refused token) outlasted the attempts: keep the payload
+
+
+class _Retryable(Exception):
+    """A transient failure inside one attempt (registration refused with 5xx, ...)."""
+
+    def __init__(self, reason: str, retry_after: float | None = None, *, auth: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.auth = auth
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The headers every request of the agent carries (none without a token)."""
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+class Courier:
+    """POSTs bodies to ``/v1/ingest`` (registering the run first, and again on 404).
+
+    Connection errors, timeouts, 408, 429 and 5xx are retried with the same bytes (exponential
+    backoff with full jitter, numeric ``Retry-After`` honoured up to ``backoff_max_s``); other
+    4xx are the payload's fault: logged with the service's ``detail``, never retried. 401 and
+    403 are the token's fault: one clear error line (again only after the token worked in
+    between), no retries, and the caller keeps the batch.
+    """
+
+    def __init__(self, *, url: str, run: RunInfo, client: httpx.Client, prefix: str, token: str | None,
+                 stats: TransportStats, stats_lock: threading.RLock, backoff_base_s: float,
+                 backoff_max_s: float, sleep: Callable[[float], None], rng: random.Random,
+                 limiter: RateLimiter, on_commands: Callable[[list[dict[str, Any]]], None] | None) -> None:
+        self._url = url
+        self._run = run
+        self._client = client
+        self._prefix = prefix
+        self._headers = auth_headers(token)
+        self._stats = stats
+        self._stats_lock = stats_lock
+        self._backoff_base_s = backoff_base_s
+        self._backoff_max_s = backoff_max_s
+        self._sleep = sleep
+        self._rng = rng
+        self._limiter = limiter
+        self._on_commands = on_commands
+        self._registered = False
+        self._auth_reported: set[int] = set()
+        self.last_failure = ""
+        self.auth_refused = False
+        """Whether the last failure was a refused token (the breaker then says so, not 'unreachable')."""
+
+    def deliver(self, body: bytes, *, gzipped: bool, batch_id: str, attempts: int,
+                deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
+                spool_note: str = "") -> Outcome:
+        """POST one body, retrying transient failures with these exact bytes."""
+        headers = {**self._headers, "content-type": "application/json"}
+        if gzipped:
+            headers["content-encoding"] = "gzip"
+        attempt = 1
+        may_reregister = True
+        while True:
+            retry_after: float | None = None
+            try:
+                if not self._registered:
+                    self._register(spool_note)
+                response = self._client.post(f"{self._prefix}/v1/ingest", content=body, headers=headers)
+            except _Retryable as exc:
+                reason, retry_after = exc.reason, exc.retry_after
+                if exc.auth:
+                    self.last_failure, self.auth_refused = reason, True
+                    return Outcome.FAILED
+            except Exception as exc:  # httpx errors, and anything a custom client throws
+                reason = describe_exception(exc)
+            else:
+                status = response.status_code
+                if 200 <= status < 300:
+                    self._accepted(response, len(body))
+                    return Outcome.DELIVERED
+                if status in AUTH_STATUSES:
+                    self._auth_refused(status, response, "sending telemetry", spool_note)
+                    self.last_failure, self.auth_refused = f"HTTP {status} (token refused)", True
+                    return Outcome.FAILED
+                if status == 404:
+                    # The run is unknown (say the service came back on a fresh database): register
+                    # again and retry at once; once per call this costs no attempt, so even a
+                    # single-attempt probe survives it.
+                    self._registered = False
+                    if may_reregister:
+                        may_reregister = False
+                        self._count_retry()
+                        continue
+                    reason = "HTTP 404 (run not registered)"
+                elif 400 <= status < 500 and status not in (408, 429):
+                    self._reject(status, response, batch_id)
+                    return Outcome.REJECTED
+                else:
+                    retry_after = retry_after_s(response)
+                    reason = f"HTTP {status}"
+            self.last_failure, self.auth_refused = reason, False
+            if attempt >= attempts:
+                break
+            delay = self._backoff(attempt, retry_after)
+            if deadline is not None and clock() + delay >= deadline:
+                break
+            log.debug("batch %s: attempt %d/%d failed (%s); retrying in %.2f s", batch_id, attempt,
+                      attempts, reason, delay)
+            self._count_retry()
+            if delay > 0:
+                self._sleep(delay)
+            attempt += 1
+        return Outcome.FAILED
+
+    def _register(self, spool_note: str) -> None:
+        try:
+            response = self._client.put(f"{self._prefix}/v1/runs/{self._run.run_id}",
+                                        json=self._run.registration_body(), headers=self._headers)
+        except Exception as exc:
+            raise _Retryable(f"registering the run: {describe_exception(exc)}") from exc
+        if response.status_code in (200, 201):
+            self._registered = True
+            self._auth_reported.clear()  # a later refusal (a revoked token) is news again
+            return
+        if response.status_code in AUTH_STATUSES:
+            self._auth_refused(response.status_code, response, f"registering run {self._run.run_id}", spool_note)
+            raise _Retryable(f"registering the run: HTTP {response.status_code} (token refused)", auth=True)
+        # A 4xx here is not transient, but the batches themselves are fine: keep them (spool) until
+        # someone fixes the url or the run info and restarts, rather than dropping good data.
+        refused = 400 <= response.status_code < 500 and response.status_code not in (408, 429)
+        if refused and (suppressed := self._limiter.allow("register")) is not None:
+            log.error("fp8guard: registering run %s at %s was refused: HTTP %d %s; batches are kept in "
+                      "the spool%s", self._run.run_id, self._url, response.status_code, error_detail(response),
+                      suppressed_note(suppressed))
+        raise _Retryable(f"registering the run: HTTP {response.status_code}", retry_after_s(response))
+
+    def _auth_refused(self, status: int, response: httpx.Response, doing: str, spool_note: str) -> None:
+        """One line per refusal kind, not one per batch: the token will not fix itself."""
+        if status in self._auth_reported:
+            return
+        self._auth_reported.add(status)
+        why = ("no valid token was sent: set MonitorConfig(token=...) or $FP8GUARD_TOKEN to an ingest token"
+               if status == 401 else
+               f"the token lacks the ingest role or is not scoped to run {self._run.run_id!r}")
+        log.error("fp8guard: the service at %s refused %s with HTTP %d (%s; %s); telemetry is kept%s and sent "
+                  "once the service accepts the token", self._url, doing, status, error_detail(response)[:200],
+                  why, spool_note)
+
+    def _count_retry(self) -> None:
+        with self._stats_lock:
+            self._stats.retries += 1
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, self._backoff_max_s)
+        # Full jitter: ranks that failed together do not retry together.
+        return self._rng.uniform(0.0, min(self._backoff_max_s, self._backoff_base_s * 2.0 ** (attempt - 1)))
+
+    def _accepted(self, response: httpx.Response, n_bytes: int) -> None:
+        self._auth_reported.clear()
+        with self._stats_lock:
+            self._stats.sent_batches += 1
+            self._stats.bytes_sent += n_bytes
+        try:
+            body = response.json()
+            duplicate = body.get("duplicate") is True
+            commands = body.get("commands") or []
+        except Exception:  # the status is authoritative; the body is informative
+            duplicate, commands = False, []
+        if duplicate:
+            with self._stats_lock:
+                self._stats.duplicate_batches += 1
+        if commands and self._on_commands is not None:
+            try:  # remediation commands ride on ingest answers; hand them to the monitor
+                self._on_commands(list(commands))
+            except Exception:
+                log.exception("fp8guard: handling commands from the service failed")
+
+    def _reject(self, status: int, response: httpx.Response, batch_id: str) -> None:
+        with self._stats_lock:
+            self._stats.rejected_batches += 1
+        if (suppressed := self._limiter.allow(f"reject:{status}")) is not None:
+            log.error("fp8guard: the service refused batch %s with HTTP %d, dropping it (reported as "
+                      "telemetry_dropped): %s%s", batch_id, status, error_detail(response),
+                      suppressed_note(suppressed))
