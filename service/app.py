@@ -18,9 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse
 
 from fp8guard import __version__
 from fp8guard.service import health
@@ -85,7 +83,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         version=__version__,
         summary="Stores FP8 training telemetry, judges it, and orders rollbacks and BF16 fallbacks.",
         lifespan=lifespan,
-        docs_url=None, redoc_url=None, openapi_url=None,  # served below, behind a read token
+        docs_url=None, redoc_url=None, openapi_url=None,  # served by web_router, behind a read token
     )
     app.state.settings = settings
     app.state.store = store
@@ -104,15 +102,6 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(web_router())
     install_metrics(app, store, dependencies=read)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-
-    @app.get("/openapi.json", include_in_schema=False, dependencies=read)
-    def openapi_json() -> JSONResponse:
-        return JSONResponse(app.openapi())
-
-    @app.get("/docs", include_in_schema=False, dependencies=read)
-    def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="fp8guard API")
-
     return app
 
 

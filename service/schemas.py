@@ -23,6 +23,7 @@ from fp8guard.service.kinds import ActionKind, ActionStatus, Precision, Role, Ru
 
 __all__ = [
     "MAX_STEP",
+    "RUN_PREFIX_PATTERN",
     "TOKEN_NAME_PATTERN",
     "ActionOut",
     "CheckpointOut",
@@ -391,13 +392,15 @@ class CheckpointOut(BaseModel):
 
 TOKEN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@:/+-]{0,127}$"
 """Token names appear in audit events and logs: printable, no spaces."""
+RUN_PREFIX_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+"""An ingest token's run-id prefix: characters run ids may hold (``wire.RUN_ID_PATTERN``)."""
 
 
 class TokenIn(BaseModel):
     model_config = _strict
     name: str = Field(pattern=TOKEN_NAME_PATTERN, description="who or what holds it")
     role: Role
-    run_prefix: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@+-]+$",
+    run_prefix: str | None = Field(default=None, pattern=RUN_PREFIX_PATTERN,
                                    description="ingest tokens only: the run ids it may write")
 
 

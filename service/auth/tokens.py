@@ -14,7 +14,7 @@ import secrets
 from fp8guard.service.domain import TokenRecord
 from fp8guard.service.errors import InvalidPayload
 from fp8guard.service.kinds import Role
-from fp8guard.service.schemas import TOKEN_NAME_PATTERN
+from fp8guard.service.schemas import RUN_PREFIX_PATTERN, TOKEN_NAME_PATTERN
 from fp8guard.service.store import Store
 
 __all__ = ["TOKEN_PREFIX", "digest", "hint", "issue_token", "new_secret", "new_token"]
@@ -47,8 +47,9 @@ def issue_token(store: Store, *, name: str, role: Role, run_prefix: str | None =
         raise InvalidPayload(f"token name {name!r} must match {TOKEN_NAME_PATTERN}", loc=("name",))
     if run_prefix is not None and role is not Role.INGEST:
         raise InvalidPayload("only ingest tokens take a run prefix", loc=("run_prefix",))
-    if run_prefix is not None and not run_prefix:
-        raise InvalidPayload("an empty run prefix would cover every run; leave it out instead", loc=("run_prefix",))
+    if run_prefix is not None and not re.fullmatch(RUN_PREFIX_PATTERN, run_prefix):
+        raise InvalidPayload(f"run prefix {run_prefix!r} must match {RUN_PREFIX_PATTERN} (an empty one would cover "
+                             "every run: leave it out instead)", loc=("run_prefix",))
     token = new_token()
     record = store.create_token(name=name, role=role, run_prefix=run_prefix, secret_hash=digest(token),
                                 hint=hint(token))

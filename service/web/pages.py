@@ -2,7 +2,8 @@
 API (``/v1/runs/...``) and draw it with plotly. No build step; plotly is served offline from the
 installed ``plotly`` package at ``/static/plotly.min.js``.
 
-Pages: ``/`` (runs), ``/runs/{run_id}`` (one run), ``/compare?run=A&baseline=B``. Run names,
+Pages: ``/`` (runs), ``/runs/{run_id}`` (one run), ``/compare?run=A&baseline=B``, ``/docs`` (the
+API, with ``/openapi.json``), ``/login``. Run names,
 tensor and module names are user data: the shells only place them in escaped attributes, and
 the scripts build the DOM with ``textContent``.
 
@@ -28,10 +29,11 @@ from urllib.parse import parse_qs, quote
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
-from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 
 from fp8guard import wire
-from fp8guard.service.auth import SESSION_COOKIE, Authenticator, Principal
+from fp8guard.service.auth import SESSION_COOKIE, Authenticator, Principal, require
 from fp8guard.service.auth import tokens as auth_tokens
 from fp8guard.service.kinds import Role
 
@@ -215,6 +217,14 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
             headers["Content-Encoding"] = "gzip"
             return Response(asset.gzipped(), media_type=asset.media_type, headers=headers)
         return Response(asset.body, media_type=asset.media_type, headers=headers)
+
+    @pages.get("/docs", response_class=HTMLResponse)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="fp8guard API")
+
+    @router.get("/openapi.json", dependencies=[Depends(require(Role.READ))])
+    def openapi_json(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.openapi())
 
     router.include_router(pages)
     return router

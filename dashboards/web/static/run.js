@@ -375,8 +375,18 @@
     for (const a of actions) rows.push({ step: a.step, order: 1, source: "decision",
       what: el("span", { text: a.kind + " (" + a.status + ")" + (a.applied_step !== null && a.applied_step !== undefined ? ", applied at " + a.applied_step : "") }),
       text: a.reason + (a.error ? " error: " + a.error : ""), evidence: compact(a.payload) });
-    for (const e of agentEvents) rows.push({ step: e.step, order: 2, source: "agent",
-      what: el("span", { text: e.kind }), text: "segment " + e.segment + ", rank " + e.rank, evidence: compact(e.data) });
+    for (const e of agentEvents) {
+      if (e.kind === "guard_changed") {  /* the service's audit trail: who changed the run's guard, old -> new */
+        const before = e.data.old || {}, after = e.data.new || {};
+        const keys = [...new Set([...Object.keys(before), ...Object.keys(after)])].filter((k) => JSON.stringify(before[k]) !== JSON.stringify(after[k]));
+        rows.push({ step: e.step, order: 2, source: "audit", what: el("span", { text: "guard changed by " + e.data.by }),
+          text: keys.map((k) => k + ": " + (k in before ? JSON.stringify(before[k]) : "default") + " -> " + (k in after ? JSON.stringify(after[k]) : "default")).join("; "),
+          evidence: compact(e.data) });
+        continue;
+      }
+      rows.push({ step: e.step, order: 2, source: "agent",
+        what: el("span", { text: e.kind }), text: "segment " + e.segment + ", rank " + e.rank, evidence: compact(e.data) });
+    }
     rows.sort((a, b) => (a.step || 0) - (b.step || 0) || a.order - b.order);
     const tb = clear(document.querySelector("#timeline tbody"));
     for (const r of rows) tb.appendChild(el("tr", {}, el("td", { class: "num", text: r.step === null ? "-" : r.step }),
@@ -430,7 +440,7 @@
       api(base + "/events", { limit: 10000 }),
     ]);
     const rollbacks = events.filter((e) => e.kind === "rollback_applied");
-    const agentEvents = events.filter((e) => e.kind === "rollback_applied" || e.kind === "fallback_applied" || e.kind === "promotion_applied");
+    const agentEvents = events.filter((e) => ["rollback_applied", "fallback_applied", "promotion_applied", "guard_changed"].includes(e.kind));
     const smallKey = [findings.length, actions.map((a) => a.status).join(","), events.length].join("|");
     const marksChanged = smallKey !== state.smallKey;
     state.smallKey = smallKey;
