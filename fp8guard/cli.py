@@ -43,27 +43,16 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve beyond this machine
-
-
 def _auth_mode(explicit: str | None, host: str, insecure: bool) -> str:
     """``FP8GUARD_AUTH``/``--auth`` if given, else required beyond loopback and off on it; off
     beyond loopback only with ``--insecure``."""
-    from fp8guard.service.settings import AuthMode
+    from fp8guard.service.settings import AuthMode, is_loopback
 
     try:
-        mode = AuthMode(explicit) if explicit else (AuthMode.OFF if _is_loopback(host) else AuthMode.REQUIRED)
+        mode = AuthMode(explicit) if explicit else (AuthMode.OFF if is_loopback(host) else AuthMode.REQUIRED)
     except ValueError:
         raise _fail(f"FP8GUARD_AUTH must be one of {', '.join(AuthMode)}, not {explicit!r}") from None
-    if mode is AuthMode.OFF and not _is_loopback(host) and not insecure:
+    if mode is AuthMode.OFF and not is_loopback(host) and not insecure:
         raise _fail(f"refusing to serve on {host} without authentication: anyone who reaches the port could "
                     "steer your runs. Create tokens (fp8guard token create) and drop FP8GUARD_AUTH=off, "
                     "or pass --insecure")
@@ -142,6 +131,8 @@ def demo(
     print_summary(result, lambda line: typer.echo(line, err=True))
     typer.echo(f"Dashboard: {result.url}/runs/{result.run_id}   (all runs: {result.url}/, API: {result.url}/docs)",
                err=True)
+    if service.read_token:
+        typer.echo(f"Sign in to the dashboard with this read token: {service.read_token}", err=True)
     if exit_after:
         service.close()
         typer.echo(json.dumps(result.summary_json()))

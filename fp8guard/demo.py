@@ -110,12 +110,23 @@ class _Service:
         import uvicorn
 
         from fp8guard.service import Settings, create_app
+        from fp8guard.service.auth.tokens import issue_token
+        from fp8guard.service.kinds import Role
+        from fp8guard.service.settings import AuthMode, is_loopback
         from fp8guard.service.store import make_engine, upgrade
 
         engine = make_engine(url)
         upgrade(engine)
         engine.dispose()
-        self.app = create_app(Settings(database_url=url))
+        # As `fp8guard serve` does: no tokens on loopback; beyond it, the demo makes its own.
+        auth = AuthMode.OFF if is_loopback(host) else AuthMode.REQUIRED
+        self.app = create_app(Settings(database_url=url, auth=auth))
+        self.ingest_token: str | None = None
+        self.read_token: str | None = None
+        if auth is AuthMode.REQUIRED:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.ingest_token = issue_token(self.app.state.store, name=f"demo-agent-{stamp}", role=Role.INGEST)[0]
+            self.read_token = issue_token(self.app.state.store, name=f"demo-reader-{stamp}", role=Role.READ)[0]
         self.port = _free_port(host, port)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="fp8guard-demo-service", daemon=True)
@@ -146,7 +157,7 @@ def _free_port(host: str, preferred: int) -> int:
 
 
 def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, workdir: Path,
-           progress: Any = None) -> tuple[list[float], float]:
+           progress: Any = None, token: str | None = None) -> tuple[list[float], float]:
     """Train; return (per-step losses, mean loss of the 10 steps before the poisoned window)."""
     import torch
 
@@ -181,7 +192,7 @@ def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, work
     target.register_forward_pre_hook(outlier)
     monitor = Monitor(MonitorConfig(url=url, run_id=run_id, model_name="byte-gpt-2x64", flush_interval_steps=5,
                                     command_check_interval_steps=5, count_interval_steps=5,
-                                    run_config={"demo": True, "guarded": guarded}),
+                                    run_config={"demo": True, "guarded": guarded}, token=token),
                       transport=None if url else NullTransport())
     checkpoints = CheckpointManager(workdir / ("ckpt-guarded" if guarded else "ckpt-unguarded"), model=model,
                                     optimizer=opt, scheduler=sched, data_state=lambda: {"position": data.position},
@@ -227,7 +238,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     url = cfg.database_url or f"sqlite:///{workdir / 'fp8guard.db'}"
     service = _Service(url, cfg.host, cfg.port)
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    httpx.put(f"{service.base}/v1/runs/{run_id}",
+    agent_auth = {"authorization": f"Bearer {service.ingest_token}"} if service.ingest_token else {}
+    httpx.put(f"{service.base}/v1/runs/{run_id}", headers=agent_auth,
               json={"model": "byte-gpt-2x64", "guard": GUARD, "recipe": {"emulation": "delayed", "history": 16}},
               timeout=10).raise_for_status()
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -235,14 +247,16 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     with Progress(*columns, disable=not cfg.progress, transient=False) as bar:
         task = bar.add_task("guarded FP8  ", total=cfg.steps, loss=float("nan"))
         losses, pre = _train(cfg, guarded=True, url=service.base, run_id=run_id, workdir=workdir,
-                             progress=lambda s, v: bar.update(task, completed=min(s, cfg.steps), loss=v))
+                             progress=lambda s, v: bar.update(task, completed=min(s, cfg.steps), loss=v),
+                             token=service.ingest_token)
         unguarded = None
         if cfg.compare:
             task2 = bar.add_task("unguarded FP8", total=cfg.steps, loss=float("nan"))
             u_losses, _ = _train(cfg, guarded=False, url=None, run_id=run_id + "-unguarded", workdir=workdir,
                                  progress=lambda s, v: bar.update(task2, completed=min(s, cfg.steps), loss=v))
             unguarded = u_losses[-1]
-    api = httpx.Client(base_url=service.base, timeout=30)
+    reader = {"authorization": f"Bearer {service.read_token}"} if service.read_token else {}
+    api = httpx.Client(base_url=service.base, timeout=30, headers=reader)
     result = DemoResult(
         run_id=run_id, url=service.base, guarded_final_loss=losses[-1], pre_incident_loss=pre,
         unguarded_final_loss=unguarded,

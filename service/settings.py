@@ -12,7 +12,19 @@ from sqlalchemy.engine import make_url
 
 from fp8guard.service.alerts.config import AlertSettings
 
-__all__ = ["AuthMode", "Settings", "default_database_url"]
+__all__ = ["AuthMode", "Settings", "default_database_url", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address stays on this machine (a host name may resolve beyond it)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class AuthMode(StrEnum):
