@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from fp8guard.agent.transport.delivery import AUTH_STATUSES, auth_headers
+
 __all__ = ["CommandListener"]
 
 log = logging.getLogger(__name__)
@@ -19,11 +21,13 @@ log = logging.getLogger(__name__)
 
 class CommandListener:
     def __init__(self, url: str, run_id: str, on_commands: Callable[[list[dict[str, Any]]], None], *,
-                 timeout_s: float = 10.0, client: httpx.Client | None = None) -> None:
+                 timeout_s: float = 10.0, client: httpx.Client | None = None, token: str | None = None) -> None:
         self._path = f"/v1/runs/{run_id}/commands"
         self._on_commands = on_commands
         self._owns_client = client is None
         self._client = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+        self._headers = auth_headers(token)  # never logged
+        self._auth_refused = False
         self._lock = threading.Lock()
         self._until = 0.0
         self._after = 0
@@ -50,7 +54,19 @@ class CommandListener:
                     return
             try:
                 r = self._client.get(self._path, params={"wait": f"{min(left, 30.0):.3f}", "after": after},
-                                     timeout=min(left, 30.0) + 10.0)
+                                     headers=self._headers, timeout=min(left, 30.0) + 10.0)
+                if r.status_code in AUTH_STATUSES:
+                    # Not transient: say so once and stop this listening window (no hot loop); the
+                    # ingest answers still carry commands if the token gains the role later.
+                    if not self._auth_refused:
+                        self._auth_refused = True
+                        log.error("fp8guard: the service refused the command long-poll with HTTP %d (token "
+                                  "missing, invalid or without access to this run); commands arrive with the "
+                                  "ingest answers only", r.status_code)
+                    with self._lock:
+                        self._thread = None
+                        self._until = 0.0
+                    return
                 got = r.json() if r.status_code == 200 else []
             except (httpx.HTTPError, ValueError) as exc:  # monitoring never takes training down
                 log.debug("fp8guard: command long-poll failed: %s", exc)

@@ -30,6 +30,9 @@ class MonitorConfig:
     """The fp8guard service, e.g. ``http://127.0.0.1:8000``; default ``$FP8GUARD_URL``. With
     neither, telemetry is only counted (useful to measure overhead); pass ``transport=`` to
     the Monitor for anything else."""
+    token: str | None = field(default=None, repr=False)
+    """Bearer token for the service (a token with the ``ingest`` role); default
+    ``$FP8GUARD_TOKEN``. Sent on every request, never logged nor shown in ``repr``."""
     run_id: str | None = None
     """The run's identity, the same on every rank; default ``$FP8GUARD_RUN_ID``, else rank 0
     makes one up and broadcasts it. Reusing an id resumes that run."""
@@ -56,13 +59,19 @@ class MonitorConfig:
     segment: int = 0
     """Starting segment (incremented on every rollback); restored from checkpoints."""
     spool_dir: Path | None = None
-    """Where batches wait while the service is unreachable (default: a temp folder per run)."""
+    """Where batches wait while the service is unreachable or slow (default: a private per-user
+    folder, ``~/.cache/fp8guard/spool/<run>/rank-<r>`` on Linux)."""
     spool_max_bytes: int = 256 * 2**20
     """Bound of the spool; the oldest batches are dropped beyond it, and the drop is reported."""
     max_pending_flushes: int = 8
-    """Flushes waiting for the background shipper; beyond it the oldest is dropped, never the
-    training step blocked."""
+    """Flushes waiting for the background shipper to encode them; beyond it the oldest is
+    dropped (counted and reported as ``telemetry_dropped``), never the training step blocked.
+    The network never holds the shipper up: batches it cannot send at once are spooled."""
     timeout_s: float = 10.0
+    """Per request to the service. Training never waits for it: a background thread delivers,
+    and while it waits batches go to the spool."""
+    retry_max_s: float = 5.0
+    """Longest pause between retries, and between probes of a service that failed."""
     command_check_interval_steps: int = 10
     """Under torch.distributed, look for remediation commands from the service every this many
     steps: rank 0 broadcasts them then (the agent's one intended host sync), so every rank
@@ -91,6 +100,10 @@ class MonitorConfig:
     def __post_init__(self) -> None:
         self.url = self.url if self.url is not None else os.environ.get("FP8GUARD_URL") or None
         self.run_id = self.run_id if self.run_id is not None else os.environ.get("FP8GUARD_RUN_ID") or None
+        self.token = self.token if self.token is not None else os.environ.get("FP8GUARD_TOKEN") or None
+        if self.token is not None and (not self.token.strip() or any(c.isspace() for c in self.token)):
+            raise ConfigError("token must be a non-empty string without whitespace (the value `fp8guard token "
+                              "create` printed); check MonitorConfig(token=...) or $FP8GUARD_TOKEN")
         if self.url is not None and not re.match(r"^https?://[^/\s]+", self.url):
             raise ConfigError(f"url {self.url!r} must look like http://host:port (the fp8guard service)")
         if self.run_id is not None and not re.match(RUN_ID_PATTERN, self.run_id):
@@ -124,6 +137,8 @@ class MonitorConfig:
             raise ConfigError("command_check_interval_steps must be >= 1")
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s must be > 0")
+        if not self.retry_max_s > 0:
+            raise ConfigError("retry_max_s must be > 0")
         if not (self.tripwire_loss_factor > 1 and self.tripwire_grad_factor > 1 and self.tripwire_saturation > 1):
             raise ConfigError("tripwire_loss_factor, tripwire_grad_factor and tripwire_saturation must be > 1")
         if self.tripwire_warmup_steps < 0 or not self.tripwire_wait_s >= 0:

@@ -120,7 +120,8 @@ class Monitor:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
             if cfg.tripwire and cfg.url is not None and self._transport is None:
-                self._listener = CommandListener(cfg.url, self.run_id, self.receive_commands, timeout_s=cfg.timeout_s)
+                self._listener = CommandListener(cfg.url, self.run_id, self.receive_commands, timeout_s=cfg.timeout_s,
+                                                 token=cfg.token)
             self.event(wire.EventKind.RUN_STARTED, step=self._next_step, data={
                 "rank": self.rank, "world_size": self.world_size, "sources": [s.kind for s in self._sources],
                 "tensors": len(self._specs)})
@@ -152,8 +153,12 @@ class Monitor:
         run = RunInfo(run_id=self.run_id, model=cfg.model_name or type(model).__name__,
                       recipe={"sources": [s.kind for s in self._sources]}, world_size=self.world_size,
                       config=cfg.run_config)
-        return HttpTransport(cfg.url, run, timeout_s=cfg.timeout_s, spool_dir=cfg.spool_dir,
-                             spool_max_bytes=cfg.spool_max_bytes, on_commands=self.receive_commands)
+        # background: training must never wait for the network, not even the shipper's thread
+        # (a hung service would fill its queue); what cannot be sent now goes to the spool.
+        return HttpTransport(cfg.url, run, token=cfg.token, timeout_s=cfg.timeout_s, backoff_max_s=cfg.retry_max_s,
+                             backoff_base_s=min(0.2, cfg.retry_max_s), spool_dir=cfg.spool_dir,
+                             spool_max_bytes=cfg.spool_max_bytes, background=True,
+                             on_commands=self.receive_commands)
 
     # -- the per-step call ----------------------------------------------------------------------
 
@@ -378,7 +383,8 @@ class Monitor:
         self._batches += 1
         segment, specs, run_id, rank = self.segment, self._specs, self.run_id, self.rank
         shipper.submit(lambda: _payload(packet, run_id=run_id, rank=rank, segment=segment, specs=specs,
-                                        include_table=include_table))
+                                        include_table=include_table),
+                       steps=len(set(packet.steps) | set(packet.count_steps)))
 
     def event(self, kind: wire.EventKind | str, *, data: dict[str, Any] | None = None, step: int | None = None) -> None:
         """Record a run event (checkpoint saved, ...); it ships with the next flush."""

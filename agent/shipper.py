@@ -4,6 +4,9 @@ The training thread calls :meth:`Shipper.submit` with a thunk that builds a payl
 runs on the shipper's thread, so JSON and base64 encoding, gzip and HTTP never cost the
 training step anything but an append to a bounded queue. When the queue is full the OLDEST
 waiting thunk is dropped: the newest telemetry is the most useful when a run is going wrong.
+Every such loss is counted and handed to the transport's ``report_dropped`` (when it has one),
+so the service hears of it as a ``telemetry_dropped`` event; the shipper's own thread does
+that, never the training thread.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class ShipperStats:
 class _Item:
     seq: int
     thunk: PayloadThunk
+    steps: int = 0
 
 
 class Shipper:
@@ -77,6 +81,7 @@ class Shipper:
         self._stopping = False
         self._closed = False
         self._stats = ShipperStats()
+        self._unreported = [0, 0]  # batches, steps lost here and not yet handed to the transport
         self._limiter = RateLimiter(_LOG_INTERVAL_S, time.monotonic)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -85,24 +90,26 @@ class Shipper:
     def transport(self) -> Transport:
         return self._transport
 
-    def submit(self, make_payload: PayloadThunk) -> None:
+    def submit(self, make_payload: PayloadThunk, *, steps: int = 0) -> None:
         """Queue a thunk; never blocks on the transport and never raises. On a full queue the
-        oldest waiting thunk is dropped (counted in ``stats().dropped``)."""
+        oldest waiting thunk is dropped (counted in ``stats().dropped`` and reported to the
+        transport). ``steps``: how many training steps the payload will hold, for that report."""
         try:
             with self._cond:
                 if self._stopping:
                     self._stats.dropped += 1
+                    self._lost(steps)
                     if self._limiter.allow("closed") is not None:
                         log.warning("fp8guard shipper %s is closed; telemetry dropped", self._thread.name)
                     return
                 if len(self._queue) >= self._max_queue:
-                    self._queue.popleft()
+                    self._lost(self._queue.popleft().steps)
                     self._stats.dropped += 1
                     if (suppressed := self._limiter.allow("full")) is not None:
                         log.warning("fp8guard shipper queue full (%d); dropped the oldest batch "
                                     "(transport too slow?)%s", self._max_queue,
                                     f" ({suppressed} more drops since the last message)" if suppressed else "")
-                self._queue.append(_Item(self._next_seq, make_payload))
+                self._queue.append(_Item(self._next_seq, make_payload, steps))
                 self._next_seq += 1
                 self._stats.submitted += 1
                 self._cond.notify_all()
@@ -141,6 +148,8 @@ class Shipper:
             self._stopping = True
             left = len(self._queue)
             if left:
+                for item in self._queue:
+                    self._lost(item.steps)
                 self._queue.clear()
                 self._stats.dropped += left
                 log.warning("fp8guard shipper: %d queued batches dropped at close", left)
@@ -149,6 +158,7 @@ class Shipper:
         if self._thread.is_alive():
             log.warning("fp8guard shipper: transport still busy after %.1f s; not closing it", timeout_s)
             return
+        self._report_losses()
         try:
             self._transport.close()
         except Exception:
@@ -159,6 +169,23 @@ class Shipper:
             return dataclasses.replace(self._stats, queued=len(self._queue))
 
     # ------------------------------------------------------------------ internals
+
+    def _lost(self, steps: int) -> None:
+        """Called with the lock held: remember a lost batch for the next report."""
+        self._unreported[0] += 1
+        self._unreported[1] += max(0, int(steps))
+
+    def _report_losses(self) -> None:
+        """Hand the losses to the transport, which reports them to the service (shipper's thread)."""
+        with self._cond:
+            batches, steps = self._unreported
+            self._unreported = [0, 0]
+        report = getattr(self._transport, "report_dropped", None)
+        if batches and callable(report):
+            try:
+                report(batches, steps)
+            except Exception:
+                log.exception("fp8guard shipper: reporting lost batches failed")
 
     def _done_up_to(self, seq: int) -> bool:
         """True when no item numbered <= seq is queued or in flight (items run in seq order)."""
@@ -184,11 +211,22 @@ class Shipper:
                     self._cond.notify_all()
 
     def _process(self, item: _Item) -> None:
+        self._report_losses()
         try:
             payload = item.thunk()
+        except Exception:
+            # A bad thunk must not end shipping; its batch is a loss like any other.
+            with self._cond:
+                self._stats.errors += 1
+                self._lost(item.steps)
+            if (suppressed := self._limiter.allow("error")) is not None:
+                log.exception("fp8guard shipper: building a batch failed%s",
+                              f" ({suppressed} similar errors suppressed)" if suppressed else "")
+            return
+        try:
             self._transport.send(payload)
         except Exception:
-            # A bad thunk (or a transport breaking its never-raise promise) must not end shipping.
+            # A transport breaking its never-raise promise must not end shipping either.
             with self._cond:
                 self._stats.errors += 1
             if (suppressed := self._limiter.allow("error")) is not None:

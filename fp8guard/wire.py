@@ -313,8 +313,20 @@ def make_batch(
         "tensors": [dict(t) for t in tensors],
         "steps": encoded_steps,
         "tensor_stats": [dict(b) for b in tensor_stats],
-        "events": [dict(e) for e in events],
+        "events": [_encode_nonfinite(dict(e)) for e in events],
     }
+
+
+def _encode_nonfinite(value: Any) -> Any:
+    """Event data travels as the scalars do: NaN/+-Inf anywhere in it become "NaN", "Infinity",
+    "-Infinity" (JSON has none; PostgreSQL refused the whole batch with bare literals)."""
+    if isinstance(value, float):
+        return encode_float(value) if not math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: _encode_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encode_nonfinite(v) for v in value]
+    return value
 
 
 def dumps(payload: Mapping[str, Any]) -> bytes:

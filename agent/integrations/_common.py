@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from typing import Any
 
+from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.monitor import Monitor
 
-__all__ = ["STATE_FILE", "align_rank", "read_state", "write_state"]
+__all__ = ["STATE_FILE", "align_rank", "config_with_token", "read_state", "write_state"]
 
 log = logging.getLogger("fp8guard.agent")
 
 STATE_FILE = "fp8guard_monitor.json"
+
+
+def config_with_token(config: MonitorConfig | None, token: str | None) -> MonitorConfig:
+    """The integration's config with its ``token=`` argument applied (it wins over the config's
+    own and over ``$FP8GUARD_TOKEN``, which ``MonitorConfig`` reads when neither is given)."""
+    config = config or MonitorConfig()
+    return dataclasses.replace(config, token=token) if token is not None else config
 
 
 def read_state(folder: str) -> dict[str, Any] | None:

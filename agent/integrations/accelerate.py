@@ -29,7 +29,7 @@ from typing import Any
 from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
-from fp8guard.agent.integrations._common import STATE_FILE, read_state, write_state
+from fp8guard.agent.integrations._common import STATE_FILE, config_with_token, read_state, write_state
 from fp8guard.agent.monitor import Monitor
 from fp8guard.agent.transport import Transport
 
@@ -49,11 +49,13 @@ def attach_accelerate(
     transport: Transport | None = None,
     resume_from: str | os.PathLike[str] | None = None,
     remediator: Remediator | None = None,
+    token: str | None = None,
 ) -> Monitor:
     """Attach a Monitor to ``model`` (prepared or not) and hook it into ``accelerator``'s
     checkpoints; returns the Monitor, whose ``step(loss)`` the loop calls. Configuration errors
-    raise here, nothing later does."""
-    config = config or MonitorConfig()
+    raise here, nothing later does. ``token``: the service token (default: the config's, else
+    ``$FP8GUARD_TOKEN``)."""
+    config = config_with_token(config, token)
     restored = read_state(os.fspath(resume_from)) if resume_from is not None else None
     if restored is not None and config.run_id is None:
         config = dataclasses.replace(config, run_id=str(restored["run_id"]))

@@ -57,7 +57,13 @@ from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
-from fp8guard.agent.integrations._common import STATE_FILE, align_rank, read_state, write_state
+from fp8guard.agent.integrations._common import (
+    STATE_FILE,
+    align_rank,
+    config_with_token,
+    read_state,
+    write_state,
+)
 from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
@@ -88,13 +94,14 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     """Monitors the FP8 modules of the model a ``Trainer`` trains. See the module docstring.
 
     ``transport`` replaces the HTTP transport built from ``config.url`` (tests, offline runs);
-    ``remediator`` applies the service's commands (see ``Monitor.attach``).
+    ``remediator`` applies the service's commands (see ``Monitor.attach``); ``token`` is the service
+    token (default: the config's, else ``$FP8GUARD_TOKEN``).
     After training the monitor stays readable as ``callback.monitor``.
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: Remediator | None = None) -> None:
-        self.config = config or MonitorConfig()
+                 remediator: Remediator | None = None, token: str | None = None) -> None:
+        self.config = config_with_token(config, token)
         self.monitor: Monitor | None = None
         self._live = False
         self._transport = transport

@@ -38,7 +38,7 @@ from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
-from fp8guard.agent.integrations._common import align_rank
+from fp8guard.agent.integrations._common import align_rank, config_with_token
 from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
@@ -60,14 +60,15 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     """Monitors the FP8 modules of the LightningModule being fit. See the module docstring.
 
     ``transport`` replaces the HTTP transport built from ``config.url`` (tests, offline runs);
-    ``remediator`` applies the service's commands (see ``Monitor.attach``).
+    ``remediator`` applies the service's commands (see ``Monitor.attach``); ``token`` is the service
+    token (default: the config's, else ``$FP8GUARD_TOKEN``).
     After ``fit`` the monitor stays readable as ``callback.monitor``.
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: Remediator | None = None) -> None:
+                 remediator: Remediator | None = None, token: str | None = None) -> None:
         super().__init__()
-        self.config = config or MonitorConfig()
+        self.config = config_with_token(config, token)
         self.monitor: Monitor | None = None
         self._live = False  # attached and not yet closed
         self._transport = transport
