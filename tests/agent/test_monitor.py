@@ -221,3 +221,21 @@ def test_count_cadence_reaches_sources_ahead_and_can_change() -> None:
     with pytest.raises(ConfigError, match=">= 0"):
         monitor.set_count_interval(-1)
     monitor.close()
+
+
+def test_non_finite_event_data_is_stored_on_every_database(client) -> None:
+    """D7: a NaN in event data used to make PostgreSQL refuse the whole batch (422), silently.
+    It now travels as the scalars do ("NaN", "Infinity", "-Infinity") and the batch is stored."""
+    transport = HttpTransport("http://testserver", RunInfo(run_id="nan-event"), client=client)
+    monitor = Monitor(MonitorConfig(run_id="nan-event", flush_interval_steps=50, tripwire=False), transport=transport)
+    torch.manual_seed(0)
+    monitor.attach(torch.nn.Linear(4, 4))
+    for i in range(5):
+        monitor.step(float(i))
+    monitor.event("note", data={"v": float("nan"), "nested": {"hi": [float("inf"), -math.inf, 1.5]}})
+    monitor.close()
+    s = transport.stats()
+    assert (s.rejected_batches, s.dropped_batches) == (0, 0)
+    assert client.get("/v1/runs/nan-event/scalars", params={"fields": "loss"}).json()["steps"] == list(range(5))
+    (note,) = [e for e in client.get("/v1/runs/nan-event/events").json() if e["kind"] == "note"]
+    assert note["data"] == {"v": "NaN", "nested": {"hi": ["Infinity", "-Infinity", 1.5]}}
