@@ -33,6 +33,7 @@ DatabaseUrl = Annotated[
 
 
 def _url(url: str | None) -> str:
+    _need("service", "fastapi", "sqlalchemy", "alembic")
     from fp8guard.service.settings import default_database_url
 
     return url or default_database_url()
@@ -41,6 +42,33 @@ def _url(url: str | None) -> str:
 def _fail(message: str) -> typer.Exit:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code=2)
+
+
+def _need(extra: str, *modules: str) -> None:
+    """Fail in one line when this install lacks what a command needs (``fp8guard[service]`` ...)."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise _fail(f"this command needs {', '.join(missing)}: pip install 'fp8guard[{extra}]'")
+
+
+def _one_line(exc: BaseException) -> str | None:
+    """The message of a configuration or connection error a person can act on, or None."""
+    try:
+        from pydantic import ValidationError
+        from sqlalchemy.exc import ArgumentError, OperationalError
+    except ImportError:
+        return None
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {str(e['msg']).removeprefix('Value error, ')}"
+                         for e in exc.errors(include_url=False))
+    if isinstance(exc, OperationalError):
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+        return f"cannot use the database: {reason}"
+    if isinstance(exc, ArgumentError):
+        return f"not a database URL: {exc}"
+    return None
 
 
 def _auth_mode(explicit: str | None, host: str, insecure: bool) -> str:
@@ -71,6 +99,7 @@ def serve(
     insecure: Annotated[bool, typer.Option(help="allow --auth off beyond loopback")] = False,
 ) -> None:
     """Run the service. Several `serve` processes may share one PostgreSQL database."""
+    _need("service", "fastapi", "sqlalchemy", "uvicorn")
     import uvicorn
 
     from fp8guard.service import Settings, create_app
@@ -79,10 +108,7 @@ def serve(
 
     url = _url(database_url)
     mode = _auth_mode(auth, host, insecure)
-    try:
-        settings = Settings(database_url=url, auth=mode)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+    settings = Settings(database_url=url, auth=mode)
     if migrate:
         # Before uvicorn starts, never in a worker, so processes do not race to migrate.
         engine = make_engine(url)
@@ -114,6 +140,7 @@ def demo(
     database_url: DatabaseUrl = None,
 ) -> None:
     """Train a small GPT in emulated FP8, inject an instability, watch fp8guard heal it."""
+    _need("all", "torch", "httpx", "fastapi", "sqlalchemy")
     import logging
 
     from fp8guard.demo import DemoConfig, print_summary, run_demo
@@ -274,7 +301,15 @@ def token_revoke(
 
 
 def main() -> None:
-    app()
+    """The entry point: configuration and connection errors end in one line, not a traceback."""
+    try:
+        app()
+    except Exception as exc:
+        message = _one_line(exc)
+        if message is None:
+            raise
+        typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
