@@ -70,7 +70,8 @@ class GuardConfig(BaseModel):
     is flagged about 30 steps after it starts; the fast/slow ``amax_growth`` rule needs ~160."""
     divergence_lr_scale: float = Field(default=0.5, gt=0, le=1)
     """A rollback for divergence from the start (``loss_divergence``, ``grad_divergence``)
-    multiplies the learning rate by this for the rest of the run."""
+    multiplies the learning rate by this for the rest of the run; by its square after one earlier
+    rollback in the escalation window, and so on (the checkpoint restores the old rate)."""
     after_effect_steps: int = Field(default=200, ge=0)
     """FP8 findings within this many steps after a loss or gradient event that came first are
     its after-effects (a blown-up update inflates amaxes and pins scales): alerts, not fallbacks."""
@@ -99,7 +100,8 @@ class GuardConfig(BaseModel):
     """Clean steps in BF16 before a fallen-back module is re-promoted (with fresh FP8 state)."""
     escalate_rollbacks: int = Field(default=3, ge=1)
     escalate_window_steps: int = Field(default=2000, ge=1)
-    """After this many rollbacks within this many steps: whole-model BF16 and a page."""
+    """After this many rollbacks within this many steps: a page (and whole-model BF16 when FP8
+    findings are part of the trouble)."""
     cooldown_steps: int = Field(default=50, ge=0)
     """A rule that fired on a module stays quiet on that module this long (one finding per episode);
     other modules crossing the line meanwhile get findings of their own."""

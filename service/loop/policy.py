@@ -14,7 +14,8 @@ follow a loss or gradient event are its after-effects, not its cause.
   bad window's batches plus ``skip_batches`` (PaLM: restart ~100 steps before the spike, skip
   200-500 batches); divergence also lowers the learning rate for good. With no checkpoint to go
   back to: a page, never a fallback (BF16 does not cure bad data or a learning rate).
-- ``escalate_rollbacks`` rollbacks within ``escalate_window_steps``: whole-model BF16 and a page.
+- ``escalate_rollbacks`` rollbacks within ``escalate_window_steps``: a page, and whole-model BF16
+  only when FP8 findings are part of the trouble (else BF16 would cure nothing).
 - Modules in BF16 for ``promote_after_steps`` clean steps: re-promotion with fresh FP8 state.
 - Underflow growth, one-step saturation spikes, amax ramps, warnings without modules: alerts.
 """
@@ -118,10 +119,16 @@ def _rollback(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: G
     diverging = any(findings[i].rule in DIVERGENCE_RULES for i in idx)
     window = [s for s in view.recent_rollbacks if view.step - s <= cfg.escalate_window_steps]
     if len(window) + 1 > cfg.escalate_rollbacks:
+        if not fp8_evidence and view.last_page is not None and 0 <= onset - view.last_page <= cfg.cooldown_steps:
+            return []  # this escalation already paged someone
+        # Cause before cure holds here too: without FP8 evidence BF16 cures nothing (a learning
+        # rate, bad data), so the escalation is a page alone.
+        cure = "switching the whole model to BF16 and paging a human" if fp8_evidence else \
+            "paging a human (no FP8 anomaly in the window, so no BF16 fallback)"
         reason = (f"{len(window)} rollbacks within {cfg.escalate_window_steps} steps and trouble again at step "
-                  f"{spike}: switching the whole model to BF16 and paging a human.")
+                  f"{spike}: {cure}.")
         out = [Decision(kind=ActionKind.PAGE, reason=reason, findings=tuple(idx), severity=Severity.CRITICAL)]
-        if not view.all_off_fp8():
+        if fp8_evidence and not view.all_off_fp8():
             out.insert(0, Decision(kind=ActionKind.FALLBACK, reason=reason, modules=None, escalation=True,
                                    findings=tuple(idx), severity=Severity.CRITICAL))
         return out
@@ -139,7 +146,9 @@ def _rollback(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: G
              " and FP8 stays on.")
     lr_scale, lr_steps = cfg.rollback_lr_scale, cfg.rollback_lr_steps
     if diverging:
-        lr_scale, lr_steps = min(lr_scale, cfg.divergence_lr_scale), FOR_GOOD
+        # The checkpoint restores the optimizer's rate as it was, so each further divergence
+        # rollback of the escalation window cuts from there once more (a back-off: 0.5, 0.25...).
+        lr_scale, lr_steps = min(lr_scale, cfg.divergence_lr_scale ** (len(window) + 1)), FOR_GOOD
         cause += f" The run diverged from the start: the learning rate is multiplied by {lr_scale:g} for good."
     reason = (f"{first.explanation} Rolling back to the {how} of step {ckpt} ({onset - ckpt} steps before the "
               f"onset) and skipping {skip} batches (the {spike - ckpt} from there to step {spike} and "

@@ -38,6 +38,17 @@ def test_lr_blowup_from_step_0_is_caught_within_five_steps_and_rolled_back_to_th
     assert "learning rate" in d[0].reason
 
 
+def test_each_further_divergence_rollback_cuts_the_learning_rate_again() -> None:
+    """The earliest checkpoint restores the optimizer's rate as it was: a second divergence
+    rollback must cut deeper than the first, or the run diverges again the same way."""
+    found = Detector(GuardConfig(), _metas()).observe(
+        [StepRow(step=s, loss=10.9 + s) for s in range(5)], [])
+    div = [f for f in found if f.rule is Rule.LOSS_DIVERGENCE]
+    scales = [decide(div, _view(div[0].step, checkpoints=[0], recent_rollbacks=r), GuardConfig())[0].lr_scale
+              for r in ([], [3], [3, 40])]
+    assert scales == [0.5, 0.25, 0.125]
+
+
 def test_healthy_starts_and_noisy_fine_tuning_do_not_trip_the_early_rules() -> None:
     rng = np.random.default_rng(0)
     cfg = GuardConfig()

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from fp8guard.service.domain import StatBlock, StepRow
+from fp8guard.service.domain import Finding, StatBlock, StepRow
+from fp8guard.service.kinds import Rule, Severity
 from fp8guard.service.loop import Detector, GuardConfig, RunView, TensorMeta, decide, promotions, rules
 
 
@@ -137,6 +138,12 @@ def test_policy_rollback_fallback_escalation_and_promotion() -> None:
     assert d[0].skip_batches == 30 - 10 + 100
     escalated = decide(spike, RunView(step=30, modules=["l0"], bf16={}, rollback_pending=False, known_good=[10],
                                       recent_rollbacks=[5, 20]), cfg)
+    # a loss spike with no FP8 anomaly: BF16 cures nothing, the escalation is a page alone
+    assert [x.kind for x in escalated] == ["page"] and "no BF16 fallback" in escalated[0].reason
+    sat = Finding(rule=Rule.SATURATION, severity=Severity.WARNING, step=30, onset_step=21, modules=("l0",),
+                  explanation="l0 clipped")
+    escalated = decide([*spike, sat], RunView(step=30, modules=["l0"], bf16={}, rollback_pending=False,
+                                              known_good=[10], recent_rollbacks=[5, 20]), cfg)
     assert [x.kind for x in escalated] == ["fallback", "page"] and escalated[0].modules is None and escalated[0].escalation
     promo = promotions(RunView(step=100, modules=["l0", "l1"], bf16={"l0": 40, "l1": 80}, rollback_pending=False,
                                known_good=[], recent_rollbacks=[], pinned=frozenset()), cfg)
