@@ -14,7 +14,9 @@ request is the local administrator, as before authentication existed.
 
 Token and owner look-ups are cached for ``auth_cache_s`` (a revoked token stops working within
 that time in every service process); run owners never change once set, so they are cached for
-good.
+good. The route dependencies are ``async``: a cached answer costs no thread hand-off (the ingest
+path's throughput depends on few hops); only a look-up that must read the database moves to the
+thread pool.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyCookie, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from fp8guard.service.auth import tokens
 from fp8guard.service.domain import TokenRecord
@@ -75,6 +78,10 @@ LOCAL_ADMIN = Principal(name="local (auth off)", role=Role.ADMIN)
 """Everyone, when authentication is off."""
 
 
+class NeedsLoad(Exception):
+    """Raised instead of reading the database when the caller asked for cached answers only."""
+
+
 class _TtlCache:
     """A dict whose entries expire; thread-safe enough for look-ups (a race only re-reads)."""
 
@@ -82,11 +89,13 @@ class _TtlCache:
         self._ttl = ttl_s
         self._items: dict[str, tuple[float, TokenRecord | None]] = {}
 
-    def get(self, key: str, load: Callable[[], TokenRecord | None]) -> TokenRecord | None:
+    def get(self, key: str, load: Callable[[], TokenRecord | None], *, cached_only: bool = False) -> TokenRecord | None:
         now = time.monotonic()
         hit = self._items.get(key)
         if hit is not None and hit[0] > now:
             return hit[1]
+        if cached_only:
+            raise NeedsLoad
         value = load()
         if len(self._items) >= _CACHE_LIMIT:
             self._items = {}
@@ -123,8 +132,9 @@ class Authenticator:
         key = tokens.digest(token)
         return self._tokens.get(key, lambda: self.store.token_by_hash(key))
 
-    def principal(self, request: Request) -> Principal | None:
-        """The caller, or None for an anonymous request. Raises 401 for a bad bearer token."""
+    def principal(self, request: Request, *, cached_only: bool = False) -> Principal | None:
+        """The caller, or None for an anonymous request. Raises 401 for a bad bearer token, and
+        ``NeedsLoad`` with ``cached_only`` when answering would read the database."""
         if not self.enabled:
             return LOCAL_ADMIN
         header = request.headers.get("authorization")
@@ -132,14 +142,15 @@ class Authenticator:
             scheme, _, value = header.partition(" ")
             if scheme.lower() != "bearer" or not value.strip():
                 raise Unauthorized("the Authorization header must be 'Bearer <token>'", loc=("header", "authorization"))
-            record = self.token(value.strip())
+            key = tokens.digest(value.strip())
+            record = self._tokens.get(key, lambda: self.store.token_by_hash(key), cached_only=cached_only)
             if record is None:
                 raise Unauthorized("unknown or revoked token", loc=("header", "authorization"))
             return Principal.of(record)
         cookie = request.cookies.get(SESSION_COOKIE)
         if cookie:
             key = tokens.digest(cookie)
-            record = self._sessions.get(key, lambda: self.store.session_token(key))
+            record = self._sessions.get(key, lambda: self.store.session_token(key), cached_only=cached_only)
             if record is not None:
                 return Principal.of(record)
         if self.trusted_header:
@@ -148,8 +159,8 @@ class Authenticator:
                 return Principal(name=user[:128], role=Role.READ)
         return None
 
-    def require(self, request: Request, role: Role) -> Principal:
-        principal = self.principal(request)
+    def require(self, request: Request, role: Role, *, cached_only: bool = False) -> Principal:
+        principal = self.principal(request, cached_only=cached_only)
         if principal is None:
             raise Unauthorized("authentication required: send 'Authorization: Bearer <token>' "
                                "(fp8guard token create)")
@@ -159,7 +170,7 @@ class Authenticator:
 
     # -- which runs --------------------------------------------------------------------------
 
-    def check_run(self, principal: Principal, run_id: str) -> None:
+    def check_run(self, principal: Principal, run_id: str, *, cached_only: bool = False) -> None:
         """May ``principal`` write to (or create) ``run_id``? Admins may; ingest tokens with a
         prefix may touch the runs under it; others only the runs they registered."""
         if principal.role is Role.ADMIN:
@@ -171,14 +182,16 @@ class Authenticator:
                 raise Forbidden(f"token {principal.name!r} may write only runs starting with "
                                 f"{principal.run_prefix!r}", loc=("run_id",))
             return
-        exists, owner = self._owner(run_id)
+        exists, owner = self._owner(run_id, cached_only=cached_only)
         if exists and owner != principal.token_id:
             raise Forbidden(f"run {run_id!r} was registered by another token; token {principal.name!r} may "
                             "write only the runs it registered", loc=("run_id",))
 
-    def _owner(self, run_id: str) -> tuple[bool, int | None]:
+    def _owner(self, run_id: str, *, cached_only: bool = False) -> tuple[bool, int | None]:
         if run_id in self._owners:
             return True, self._owners[run_id]
+        if cached_only:
+            raise NeedsLoad
         exists, owner = self.store.run_owner(run_id)
         if exists:
             with self._lock:
@@ -199,26 +212,35 @@ def authenticator(request: Request) -> Authenticator:
     return auth
 
 
-def require(role: Role) -> Callable[..., Principal]:
+async def cached_or_loaded(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` on the event loop if the caches answer, else in the thread pool."""
+    try:
+        return call(*args, cached_only=True)
+    except NeedsLoad:
+        return await run_in_threadpool(call, *args)
+
+
+def require(role: Role) -> Callable[..., Any]:
     """A dependency: the caller, if it has ``role`` (401 anonymous, 403 without the role)."""
 
-    def dependency(request: Request, _b: Annotated[object, Security(_bearer)],
-                   _c: Annotated[object, Security(_cookie)]) -> Principal:
-        return authenticator(request).require(request, role)
+    async def dependency(request: Request, _b: Annotated[object, Security(_bearer)],
+                         _c: Annotated[object, Security(_cookie)]) -> Principal:
+        principal: Principal = await cached_or_loaded(authenticator(request).require, request, role)
+        return principal
 
     dependency.__name__ = f"require_{role}"
     return dependency
 
 
-def follow_run(request: Request, run_id: str, _b: Annotated[object, Security(_bearer)],
-               _c: Annotated[object, Security(_cookie)]) -> Principal:
+async def follow_run(request: Request, run_id: str, _b: Annotated[object, Security(_bearer)],
+                     _c: Annotated[object, Security(_cookie)]) -> Principal:
     """A reader, or an ingest token on a run it may write (the agent long-polls its commands)."""
     auth = authenticator(request)
-    principal = auth.principal(request)
+    principal: Principal | None = await cached_or_loaded(auth.principal, request)
     if principal is None:
         return auth.require(request, Role.READ)  # raises 401
     if not principal.has(Role.READ):
-        auth.check_run(principal, run_id)
+        await cached_or_loaded(auth.check_run, principal, run_id)
     return principal
 
 

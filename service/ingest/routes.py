@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from fp8guard.service.auth import AUTH_RESPONSES, AdminAccess, IngestAccess
-from fp8guard.service.auth.access import authenticator
+from fp8guard.service.auth.access import authenticator, cached_or_loaded
 from fp8guard.service.deps import CommitterDep, SettingsDep, StoreDep
 from fp8guard.service.domain import Batch, RunSpec
 from fp8guard.service.errors import Forbidden
@@ -106,7 +106,7 @@ async def ingest(request: Request, committer: CommitterDep, settings: SettingsDe
         batch = _parse(body, limits) if size <= _INLINE_PARSE_BYTES else await run_in_threadpool(_parse, body, limits)
     auth = authenticator(request)
     if auth.enabled and principal.role is not Role.ADMIN:
-        await run_in_threadpool(auth.check_run, principal, batch.run_id)  # a cached read once the run is known
+        await cached_or_loaded(auth.check_run, principal, batch.run_id)
     result = await committer.submit(batch)
     request.app.state.metrics.observe(result, size)
     return IngestResultOut(batch_id=result.batch_id, duplicate=result.duplicate, steps=result.steps,
