@@ -42,11 +42,11 @@ from fp8guard.service.store.models import (
     SqlStat,
     SqlTensor,
 )
+from fp8guard.service.store.rollup_writer import SERIES_COLUMNS, RollupTail, merge_rollups, recompute_rollups
 from fp8guard.wire import STEP_FIELDS
 
 __all__ = ["CacheTxn", "WriteCache", "ingest_batch", "upsert_insert"]
 
-_SERIES_COLUMNS = "run_pk, rank, segment, stat_id, level, block, data"
 _STATUS_BY_EVENT = {"run_finished": "finished", "run_failed": "failed", "run_started": "running", "run_resumed": "running"}
 
 
@@ -112,15 +112,6 @@ class CacheTxn:
         return self.staged_tails.get(key) or self.shared.tails.get(key)
 
 
-@dataclass
-class RollupTail:
-    batches: int
-    """The rank's batch counter after the write this tail describes."""
-    segment: int
-    last: dict[tuple[int, int], tuple[int, bytes]]
-    """(stat_id, level) -> (newest block, its row): the only rows a following batch extends."""
-
-
 def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
     """The dialect's INSERT construct (both offer on_conflict_do_nothing/do_update)."""
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
@@ -148,7 +139,7 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
 
     progress = _lock_rank(conn, run_pk, batch.rank, now)
     first_step, last_step = _step_range(batch)
-    overlap = _touch_segment(conn, run_pk, batch, first_step, last_step, progress)
+    overlap, extends = _touch_segment(conn, run_pk, batch, first_step, last_step, progress)
     _define_tensors(conn, run_pk, batch.tensors, first_step if first_step is not None else 0)
     _check_tensor_coverage(conn, run_pk, batch.blocks, cache)
     stat_ids = _stat_ids(conn, run_pk, {name for b in batch.blocks for name in b.stats}, cache)
@@ -159,8 +150,11 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
     new_tail = RollupTail(batches=progress.batches, segment=batch.segment, last=dict(tail.last) if tail else {})
     for block in batch.blocks:
         _write_block(conn, run_pk, batch, block, stat_ids, overlap=overlap, tail=tail, new_tail=new_tail)
-    cache.pending.append(("tails", (run_pk, batch.rank), new_tail))
-    cache.staged_tails[(run_pk, batch.rank)] = new_tail
+    if not overlap and (tail is not None or extends):
+        # Otherwise the rows this batch wrote may not be the segment's newest: no tail, so the
+        # rank's next batch reads what it extends from the database.
+        cache.pending.append(("tails", (run_pk, batch.rank), new_tail))
+        cache.staged_tails[(run_pk, batch.rank)] = new_tail
     _write_events(conn, run_pk, batch)
     _update_progress(conn, run_pk, batch, progress, last_step, samples)
     _record_agent_facts(conn, run_pk, batch, now)
@@ -213,24 +207,25 @@ def _step_range(batch: Batch) -> tuple[int | None, int | None]:
 
 def _touch_segment(
     conn: sa.Connection, run_pk: int, batch: Batch, first: int | None, last: int | None, progress: Progress
-) -> bool:
-    """Extend the segment's step range; return whether this batch may overwrite stored steps."""
+) -> tuple[bool, bool]:
+    """Extend the segment's step range; return whether this batch may overwrite stored steps, and
+    whether it comes after every step stored in its segment (the segment's newest rows are its)."""
     if first is None or last is None:
-        return False
+        return False, False
     key = (SqlSegment.run_pk == run_pk) & (SqlSegment.rank == batch.rank) & (SqlSegment.segment == batch.segment)
     if batch.segment == progress.last_segment and progress.last_step is not None and first > progress.last_step:
         # The common case, a batch continuing the current segment: one UPDATE, no read.
         sql.run(conn, "UPDATE segments SET last_step = ? WHERE run_pk = ? AND rank = ? AND segment = ?",
                 (last, run_pk, batch.rank, batch.segment))
-        return False
+        return False, True
     row = conn.execute(sa.select(SqlSegment.first_step, SqlSegment.last_step).where(key)).one_or_none()
     if row is None:
         conn.execute(sa.insert(SqlSegment).values(run_pk=run_pk, rank=batch.rank, segment=batch.segment,
                                                   first_step=first, last_step=last))
-        return False
+        return False, True
     conn.execute(sa.update(SqlSegment).where(key).values(first_step=min(row.first_step, first),
                                                          last_step=max(row.last_step, last)))
-    return bool(first <= row.last_step and last >= row.first_step)
+    return bool(first <= row.last_step and last >= row.first_step), bool(first > row.last_step)
 
 
 def _define_tensors(conn: sa.Connection, run_pk: int, tensors: Sequence[TensorInfo], first_step: int) -> None:
@@ -342,7 +337,10 @@ def _write_block(
     ]
     ids = [stat_ids[n] for n in block.stats]
     _write_raw(conn, raw_rows, key, ids, steps, overlap=overlap)
-    _merge_rollups(conn, key, ids, buckets.rollups(steps, values), tail, new_tail)
+    if overlap:  # stored steps may change value: folding would keep the old extremes
+        recompute_rollups(conn, key, ids, steps)
+    else:
+        merge_rollups(conn, key, ids, buckets.rollups(steps, values), tail, new_tail)
 
 
 def _write_raw(
@@ -350,7 +348,7 @@ def _write_raw(
     steps: np.ndarray[Any, Any], *, overlap: bool,
 ) -> None:
     if conn.dialect.name != "postgresql":
-        sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+        sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
         return
     raw = conn.connection.driver_connection
     assert raw is not None
@@ -361,98 +359,10 @@ def _write_raw(
                 "AND stat_id = ANY(%s) AND block = ANY(%s)",
                 (*key, stat_ids, [int(s) for s in steps]),
             )
-        with cur.copy(f"COPY tensor_series ({_SERIES_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy:
+        with cur.copy(f"COPY tensor_series ({SERIES_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy:
             copy.set_types(["int4", "int4", "int4", "int4", "int2", "int8", "bytea"])
             for row in rows:
                 copy.write_row(row)
-
-
-def _merge_rollups(
-    conn: sa.Connection, key: tuple[int, int, int], ids: list[int],
-    levels: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]],
-    tail: RollupTail | None, new_tail: RollupTail,
-) -> None:
-    """Fold new (blocks, stats, tensors) extremes of every level into the stored roll-up rows:
-    one read of the touched rows (skipped when this process's tail is current), one write."""
-    existing = _existing_from_tail(tail, ids, levels)
-    if existing is None:
-        existing = _read_rollups(conn, key, ids, {lv: (int(b[0]), int(b[-1])) for lv, (b, _, _) in levels.items()})
-    rows: list[tuple[Any, ...]] = []
-    for level, (blocks, mins, maxs) in levels.items():
-        for k, sid in enumerate(ids):
-            for j, blk in enumerate(blocks.tolist()):
-                lo, hi = mins[j, k], maxs[j, k]
-                old = existing.get((sid, level, blk))
-                if old is not None:
-                    lo, hi = _merge(old, lo, hi)
-                rows.append((*key, sid, level, blk, buckets.pack_minmax(lo, hi)))
-            prev = new_tail.last.get((sid, level))
-            if prev is None or prev[0] <= rows[-1][5]:
-                new_tail.last[(sid, level)] = (rows[-1][5], rows[-1][6])
-    if conn.dialect.name == "postgresql":
-        sql.run_many(
-            conn,
-            f"INSERT INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?) "
-            "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
-            rows,
-        )
-    else:
-        sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({_SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
-
-
-def _existing_from_tail(
-    tail: RollupTail | None, ids: list[int],
-    levels: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]],
-) -> dict[tuple[int, int, int], bytes] | None:
-    """The stored rows a batch touches, from the tail, or None when the database must be read.
-
-    With a current tail, a touched block is either the tail's newest block (its bytes are in
-    the tail), newer than it (not stored yet), or older (out of order: read the database)."""
-    if tail is None:
-        return None
-    existing: dict[tuple[int, int, int], bytes] = {}
-    for level, (blocks, _, _) in levels.items():
-        for sid in ids:
-            newest = tail.last.get((sid, level))
-            if newest is None:
-                continue  # this stat was never written in this segment
-            if int(blocks[0]) < newest[0]:
-                return None
-            if int(blocks[0]) == newest[0]:
-                existing[(sid, level, newest[0])] = newest[1]
-    return existing
-
-
-def _read_rollups(
-    conn: sa.Connection, key: tuple[int, int, int], ids: list[int], ranges: dict[int, tuple[int, int]]
-) -> dict[tuple[int, int, int], bytes]:
-    table = sa.table("tensor_series", *(sa.column(c) for c in _SERIES_COLUMNS.split(", ")))
-    c = table.c
-    # One SELECT per level, glued with UNION ALL: an OR of ranges made PostgreSQL's planner use
-    # only the index prefix (run, rank, segment) and filter the whole run (12 ms per batch).
-    parts = [
-        sa.select(c.stat_id, c.level, c.block, c.data).where(
-            c.run_pk == key[0], c.rank == key[1], c.segment == key[2], c.stat_id.in_(ids), c.level == lv,
-            c.block.between(a, b),
-        )
-        for lv, (a, b) in ranges.items()
-    ]
-    rows = conn.execute(sa.union_all(*parts))
-    return {(int(r.stat_id), int(r.level), int(r.block)): bytes(r.data) for r in rows}
-
-
-def _merge(old: bytes, lo: np.ndarray[Any, Any], hi: np.ndarray[Any, Any]) -> tuple[Any, Any]:
-    """Combine a stored roll-up with new extremes; the longer tensor axis wins (tensors are
-    only ever appended), missing entries act as min/max identities."""
-    planes = np.frombuffer(old, dtype="<f4").reshape(2, -1)
-    width = max(planes.shape[1], lo.shape[0])
-    out_lo = np.full(width, np.inf, dtype=np.float32)
-    out_hi = np.full(width, -np.inf, dtype=np.float32)
-    out_lo[: planes.shape[1]] = planes[0]
-    out_hi[: planes.shape[1]] = planes[1]
-    out_lo[: lo.shape[0]] = np.minimum(out_lo[: lo.shape[0]], lo)
-    out_hi[: hi.shape[0]] = np.maximum(out_hi[: hi.shape[0]], hi)
-    return out_lo, out_hi
 
 
 def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:

@@ -1,0 +1,173 @@
+"""Roll-up rows of ``tensor_series`` (levels 32, 512, 8192): kept in step with the raw rows.
+
+Two ways, chosen by the writer per batch:
+
+* ``merge_rollups``, the hot path, for batches that only add steps: the new extremes are folded
+  into the stored rows (min of mins, max of maxes). Folding can only widen a row, so it is right
+  only when no stored step changes value.
+* ``recompute_rollups``, for batches that overwrite stored steps (a job resuming in its segment
+  re-sends steps with other values under new batch ids): the touched blocks are rebuilt from the
+  rows one level down, raw rows first, so a value replaced is gone from every zoom level. Folding
+  had kept it (raw 1 -> 1000 -> 2 read raw 2 but a zoomed-out max of 1000).
+
+A ``RollupTail`` caches, per (run, rank), the newest row of each (stat, level) this process
+wrote, so a batch continuing the segment skips reading them back. It is valid only for the
+newest rows: the writer publishes one only after a batch that extended its segment (or with a
+tail already current), never after an older or overwriting batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+
+from fp8guard.service.store import buckets, sql
+
+__all__ = ["SERIES_COLUMNS", "RollupTail", "merge_rollups", "recompute_rollups", "upsert_rows"]
+
+SERIES_COLUMNS = "run_pk, rank, segment, stat_id, level, block, data"
+
+Levels = dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]]
+
+
+@dataclass
+class RollupTail:
+    batches: int
+    """The rank's batch counter after the write this tail describes."""
+    segment: int
+    last: dict[tuple[int, int], tuple[int, bytes]]
+    """(stat_id, level) -> (newest block, its row): the only rows a following batch extends."""
+
+
+def upsert_rows(conn: sa.Connection, rows: list[tuple[Any, ...]]) -> None:
+    """Insert or replace ``tensor_series`` rows (roll-ups; raw rows have their own COPY path)."""
+    if conn.dialect.name == "postgresql":
+        sql.run_many(
+            conn,
+            f"INSERT INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?) "
+            "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
+            rows,
+        )
+    else:
+        sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+
+
+def recompute_rollups(conn: sa.Connection, key: tuple[int, int, int], ids: list[int],
+                      steps: np.ndarray[Any, Any]) -> None:
+    """Rebuild every roll-up block that holds one of ``steps`` from the rows one level down (the
+    raw rows, already written by this transaction, for the first level). Reads at most
+    ``level / below`` child rows per rebuilt row: 32, then 16, then 16."""
+    children = np.unique(np.asarray(steps, dtype=np.int64))
+    below = 1
+    for level in buckets.ROLLUP_LEVELS:
+        parents = np.unique(children * below // level)
+        stored = _read_children(conn, key, ids, below, int(parents[0]) * level // below,
+                                (int(parents[-1]) + 1) * level // below - 1)
+        rows: list[tuple[Any, ...]] = []
+        for sid in ids:
+            got = stored.get(sid)
+            if not got:
+                continue
+            blocks = np.fromiter((b for b, _ in got), dtype=np.int64, count=len(got))
+            width = max(len(blob) for _, blob in got) // (4 * (1 if below == 1 else 2))
+            mins, maxs = buckets.unpack_rows([blob for _, blob in got], level=below, num_tensors=width)
+            ids_up, lo, hi = buckets.group_minmax(mins, maxs, blocks * below // level)
+            wanted = np.isin(ids_up, parents)
+            rows += [(*key, sid, level, int(blk), buckets.pack_minmax(lo[j], hi[j]))
+                     for j, blk in enumerate(ids_up.tolist()) if wanted[j]]
+        upsert_rows(conn, rows)
+        children, below = parents, level
+
+
+def _read_children(conn: sa.Connection, key: tuple[int, int, int], ids: list[int], level: int, first: int,
+                   last: int) -> dict[int, list[tuple[int, bytes]]]:
+    """Rows of ``level`` with blocks in [first, last], per stat, in block order."""
+    rows = sql.fetch_all(
+        conn, "SELECT stat_id, block, data FROM tensor_series WHERE run_pk = ? AND rank = ? AND segment = ? "
+              f"AND level = ? AND block BETWEEN ? AND ? AND stat_id IN ({', '.join('?' * len(ids))}) "
+              "ORDER BY stat_id, block", (*key, level, first, last, *ids))
+    out: dict[int, list[tuple[int, bytes]]] = {}
+    for sid, blk, data in rows:
+        out.setdefault(int(sid), []).append((int(blk), bytes(data)))
+    return out
+
+
+def merge_rollups(
+    conn: sa.Connection, key: tuple[int, int, int], ids: list[int], levels: Levels, tail: RollupTail | None,
+    new_tail: RollupTail,
+) -> None:
+    """Fold new (blocks, stats, tensors) extremes of every level into the stored roll-up rows:
+    one read of the touched rows (skipped when this process's tail is current), one write."""
+    existing = _existing_from_tail(tail, ids, levels)
+    if existing is None:
+        existing = _read_rollups(conn, key, ids, {lv: (int(b[0]), int(b[-1])) for lv, (b, _, _) in levels.items()})
+    rows: list[tuple[Any, ...]] = []
+    for level, (blocks, mins, maxs) in levels.items():
+        for k, sid in enumerate(ids):
+            for j, blk in enumerate(blocks.tolist()):
+                lo, hi = mins[j, k], maxs[j, k]
+                old = existing.get((sid, level, blk))
+                if old is not None:
+                    lo, hi = _merge(old, lo, hi)
+                rows.append((*key, sid, level, blk, buckets.pack_minmax(lo, hi)))
+            prev = new_tail.last.get((sid, level))
+            if prev is None or prev[0] <= rows[-1][5]:
+                new_tail.last[(sid, level)] = (rows[-1][5], rows[-1][6])
+    upsert_rows(conn, rows)
+
+
+def _existing_from_tail(
+    tail: RollupTail | None, ids: list[int], levels: Levels,
+) -> dict[tuple[int, int, int], bytes] | None:
+    """The stored rows a batch touches, from the tail, or None when the database must be read.
+
+    With a current tail, a touched block is either the tail's newest block (its bytes are in
+    the tail), newer than it (not stored yet), or older (out of order: read the database)."""
+    if tail is None:
+        return None
+    existing: dict[tuple[int, int, int], bytes] = {}
+    for level, (blocks, _, _) in levels.items():
+        for sid in ids:
+            newest = tail.last.get((sid, level))
+            if newest is None:
+                continue  # this stat was never written in this segment
+            if int(blocks[0]) < newest[0]:
+                return None
+            if int(blocks[0]) == newest[0]:
+                existing[(sid, level, newest[0])] = newest[1]
+    return existing
+
+
+def _read_rollups(
+    conn: sa.Connection, key: tuple[int, int, int], ids: list[int], ranges: dict[int, tuple[int, int]]
+) -> dict[tuple[int, int, int], bytes]:
+    table = sa.table("tensor_series", *(sa.column(c) for c in SERIES_COLUMNS.split(", ")))
+    c = table.c
+    # One SELECT per level, glued with UNION ALL: an OR of ranges made PostgreSQL's planner use
+    # only the index prefix (run, rank, segment) and filter the whole run (12 ms per batch).
+    parts = [
+        sa.select(c.stat_id, c.level, c.block, c.data).where(
+            c.run_pk == key[0], c.rank == key[1], c.segment == key[2], c.stat_id.in_(ids), c.level == lv,
+            c.block.between(a, b),
+        )
+        for lv, (a, b) in ranges.items()
+    ]
+    rows = conn.execute(sa.union_all(*parts))
+    return {(int(r.stat_id), int(r.level), int(r.block)): bytes(r.data) for r in rows}
+
+
+def _merge(old: bytes, lo: np.ndarray[Any, Any], hi: np.ndarray[Any, Any]) -> tuple[Any, Any]:
+    """Combine a stored roll-up with new extremes; the longer tensor axis wins (tensors are
+    only ever appended), missing entries act as min/max identities."""
+    planes = np.frombuffer(old, dtype="<f4").reshape(2, -1)
+    width = max(planes.shape[1], lo.shape[0])
+    out_lo = np.full(width, np.inf, dtype=np.float32)
+    out_hi = np.full(width, -np.inf, dtype=np.float32)
+    out_lo[: planes.shape[1]] = planes[0]
+    out_hi[: planes.shape[1]] = planes[1]
+    out_lo[: lo.shape[0]] = np.minimum(out_lo[: lo.shape[0]], lo)
+    out_hi[: hi.shape[0]] = np.maximum(out_hi[: hi.shape[0]], hi)
+    return out_lo, out_hi
