@@ -23,9 +23,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(database_url: str, *, timeout: float = 60.0) -> Iterator[str]:
+def serve(database_url: str, *, timeout: float = 60.0, auth: bool = False) -> Iterator[str]:
+    """``fp8guard serve`` on 127.0.0.1 (no tokens there unless ``auth``: FP8GUARD_AUTH=required)."""
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8GUARD_AUTH": "required" if auth else "off"}
     log = tempfile.TemporaryFile()  # noqa: SIM115 - a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "fp8guard", "serve", "--database-url", database_url, "--port", str(port),

@@ -21,6 +21,11 @@ non-empty command list (0 and counted ``in_answer`` when the answer itself carri
     python bench/load.py --agents 1 --rate 0 --duration 15 --json
     python bench/load.py --database both --agents 200 --rate 0.5
     python bench/load.py --url http://127.0.0.1:8000 --agents 20    # an already running service
+    python bench/load.py --auth --agents 50 --rate 1 --json        # as deployed: tokens required
+
+With ``--auth`` the service requires tokens: the agents send one ingest token (each run is then
+checked against the token that registered it, as in production) and the stored-equals-acked
+check reads with an admin token.
 """
 
 from __future__ import annotations
@@ -218,12 +223,15 @@ async def _stored(client: httpx.AsyncClient, run_id: str) -> tuple[int, int] | s
         return f"GET {run_id}: {exc}"
 
 
-async def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | None = None) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:6]
     batches = Batches(args.tensors, args.stats, args.steps_per_batch)
     conns = args.agents + 2 * args.decisions + 4
     limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-    async with httpx.AsyncClient(base_url=base, timeout=30.0, limits=limits) as client:
+    agent = {"authorization": f"Bearer {tokens['ingest']}"} if tokens else {}
+    admin = {"authorization": f"Bearer {tokens['admin']}"} if tokens else {}
+    async with httpx.AsyncClient(base_url=base, timeout=30.0, limits=limits, headers=agent) as client, \
+            httpx.AsyncClient(base_url=base, timeout=30.0, headers=admin) as reader:
         runs = [f"load-{tag}-{i}" for i in range(args.agents)]
         registered = await asyncio.gather(*(client.put(f"/v1/runs/{run}", json={"model": "load"})
                                             for run in runs))
@@ -240,7 +248,7 @@ async def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
         wall = time.monotonic() - t_start
         decisions = await asyncio.gather(*probes)
         acked = {**tally.acked, **probe_tally.acked}
-        stored = await asyncio.gather(*(_stored(client, run) for run in acked))
+        stored = await asyncio.gather(*(_stored(reader, run) for run in acked))
     mismatched = []
     for (run, (batches_acked, samples_acked)), got in zip(acked.items(), stored, strict=True):
         if got != (batches_acked, samples_acked):
@@ -277,9 +285,32 @@ async def _load(base: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _tokens(database_url: str) -> dict[str, str]:
+    """An ingest and an admin token in a migrated database, made as an operator would."""
+    from fp8guard.service.auth.tokens import issue_token
+    from fp8guard.service.kinds import Role
+    from fp8guard.service.store import Store, make_engine, upgrade
+
+    engine = make_engine(database_url)
+    upgrade(engine)
+    engine.dispose()
+    store = Store.open(database_url)
+    try:
+        tag = uuid.uuid4().hex[:6]
+        return {role: issue_token(store, name=f"load-{role}-{tag}", role=Role(role))[0] for role in ("ingest", "admin")}
+    finally:
+        store.close()
+
+
+def _run(database_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    tokens = _tokens(database_url) if args.auth else None
+    with serve(database_url, auth=args.auth) as base:  # serve migrates the database
+        return {**asyncio.run(_load(base, args, tokens)), "auth": args.auth}
+
+
 def _sqlite(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, serve(f"sqlite:///{Path(tmp) / 'load.db'}") as base:
-        return asyncio.run(_load(base, args))
+    with tempfile.TemporaryDirectory() as tmp:
+        return _run(f"sqlite:///{Path(tmp) / 'load.db'}", args)
 
 
 def _postgres(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,8 +320,7 @@ def _postgres(args: argparse.Namespace) -> dict[str, Any]:
         admin.execute(f"DROP DATABASE IF EXISTS {PG_LOAD_DB} WITH (FORCE)")
         admin.execute(f"CREATE DATABASE {PG_LOAD_DB}")
     try:
-        with serve(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_LOAD_DB}") as base:  # serve migrates it
-            return asyncio.run(_load(base, args))
+        return _run(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_LOAD_DB}", args)
     finally:
         with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {PG_LOAD_DB} WITH (FORCE)")
@@ -321,6 +351,7 @@ def main() -> None:
     parser.add_argument("--steps-per-batch", type=int, default=10)
     parser.add_argument("--decisions", type=int, default=5, help="decision-latency probes")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--auth", action="store_true", help="require tokens (FP8GUARD_AUTH=required), as deployed")
     args = parser.parse_args()
     if min(args.agents, args.tensors, args.stats, args.steps_per_batch) < 1 or args.rate < 0 \
             or not 0 < args.duration <= 3600 or args.decisions < 0:
