@@ -284,7 +284,9 @@ class HttpTransport:
                 with self._state:
                     self._closed = True
                     self._next_probe_at = self._clock()  # one last try, whatever the breaker says
-                state = self._pump(deadline=deadline, attempts=1)
+                # The usual retries (a service catching up after a stall answers slowly), but
+                # never past the deadline: close() costs at most drain_s plus one request.
+                state = self._pump(deadline=deadline, strict_deadline=True)
                 with self._state:
                     self._spill_outbox()
                 if state == "idle" and self._pending_drop[0] and self._seen_payload:
@@ -369,10 +371,11 @@ class HttpTransport:
     def _ready(self) -> bool:
         return self._has_items() and not (self._open and self._clock() < self._next_probe_at)
 
-    def _pump(self, *, deadline: float | None, attempts: int | None = None) -> _PumpState:
+    def _pump(self, *, deadline: float | None, strict_deadline: bool = False) -> _PumpState:
         """Deliver waiting batches in order (memory and spool together) until none is left, the
-        service fails, ``deadline`` passes (checked between batches) or close() begins."""
-        first = True
+        service fails, ``deadline`` passes (checked between batches, and from the first batch on
+        with ``strict_deadline``) or close() begins."""
+        first = not strict_deadline
         while True:
             with self._state:
                 if self._closing and not self._closed:
@@ -385,7 +388,7 @@ class HttpTransport:
                     return "idle"
                 if not first and deadline is not None and self._clock() >= deadline:
                     return "partial"
-                tries = attempts if attempts is not None else 1 if self._open else self._max_attempts
+                tries = 1 if self._open else self._max_attempts
                 if entry is not None and (item is None or entry.seq < item.seq):
                     item = None
                     report_first = bool(self._pending_drop[0] or (self._resend_tensors and self._tensor_table))
@@ -399,18 +402,20 @@ class HttpTransport:
             elif entry is not None:
                 if self._backfill_one(entry, attempts=tries, deadline=None if first else deadline) is Outcome.FAILED:
                     return "down"
-            elif item is not None and self._deliver_item(item, attempts=tries) is Outcome.FAILED:
+            elif item is not None and self._deliver_item(item, attempts=tries,
+                                                         deadline=None if first else deadline) is Outcome.FAILED:
                 return "down"
             first = False
 
-    def _deliver_item(self, item: _Pending, *, attempts: int) -> Outcome:
+    def _deliver_item(self, item: _Pending, *, attempts: int, deadline: float | None) -> Outcome:
         with self._state:
             if item.body is None and not self._prepare(item):
                 return Outcome.REJECTED
             body = item.body
             assert body is not None
         outcome = self._courier.deliver(body, gzipped=item.gzipped, batch_id=batch_id_of(item.payload),
-                                        attempts=attempts, clock=self._clock, spool_note=self._spool_note())
+                                        attempts=attempts, deadline=deadline, clock=self._clock,
+                                        spool_note=self._spool_note())
         with self._state:
             if item not in self._outbox:
                 return outcome  # close() spooled it meanwhile; a duplicate is harmless
