@@ -176,6 +176,11 @@ class AlertSettings(BaseModel):
     """How often the dispatcher thread looks for due deliveries."""
     notify_resolved: bool = True
     """Send a ``.resolved`` notice to webhook and Slack sinks when an alert is resolved."""
+    incident_window_s: float = Field(default=3600.0, ge=0)
+    """One page per incident: an alert of a kind (rollback, escalation, finding...) that a run
+    already raised to a sink in this window is not sent again; the decision behind it is still
+    stored and shown on the run page. Ten NaN batches posted a few seconds apart sent ten pages;
+    now one. 0 sends every alert (a resolution ends the incident: the next alert pages again)."""
 
     @field_validator("dashboard_url")
     @classmethod

@@ -1,10 +1,13 @@
 """``AlertDispatcher``: delivers due outbox rows, with retries, from a background thread.
 
-Rows are claimed under a lease (``store.outbox.claim_due``: disjoint claims across service
+Rows are claimed under a short lease (``store.outbox.claim_due``: disjoint claims across service
 processes), then the HTTP requests go out with no transaction open, then each outcome is written
-in its own short transaction. A process that dies mid-send
-leaves its rows leased; they become due again when the lease ends (at-least-once delivery, and
-webhook receivers dedupe on the unchanged ``webhook-id``).
+in its own short transaction. Each send first renews its row's lease for one request
+(``request_timeout_s`` + ``LEASE_MARGIN_S``), compare-and-set on the lease it holds, so a row
+whose lease ran out while earlier rows were sent, and that another process claimed meanwhile, is
+left to that process. A process that dies mid-send leaves its row leased for at most that long
+(30 s by default; a lease covering a whole batch of sends made it ~6 minutes); then it is due
+again (at-least-once delivery, and webhook receivers dedupe on the unchanged ``webhook-id``).
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ from fp8guard.service.alerts.sinks import Delivery, build_request, send
 from fp8guard.service.store import outbox
 from fp8guard.service.store.outbox import OutboxEntry, utc
 
-__all__ = ["OUTCOMES", "AlertDispatcher"]
+__all__ = ["LEASE_MARGIN_S", "OUTCOMES", "AlertDispatcher"]
 
 log = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 15.0
+"""Added to ``request_timeout_s`` for a row's lease: room for building the request and writing
+the outcome after a send that used its whole timeout."""
 
 OUTCOMES = ("sent", "resent", "resolved", "retry", "failed")
 """``stats()`` keys: first delivery, Alertmanager re-send, Alertmanager resolve, a failure that
@@ -99,17 +106,20 @@ class AlertDispatcher:
                 break
         return attempted
 
+    def _lease(self) -> timedelta:
+        return timedelta(seconds=self._settings.request_timeout_s + LEASE_MARGIN_S)
+
     def _claim(self, names: list[str]) -> list[OutboxEntry]:
         now = utc(self._clock())
-        # Sends are sequential, so the last claimed row may wait for all the others' timeouts.
-        lease = now + timedelta(seconds=(self._batch_size + 1) * self._settings.request_timeout_s + 30)
-        return outbox.claim_due(self._engine, names, now, lease, self._batch_size)
+        return outbox.claim_due(self._engine, names, now, now + self._lease(), self._batch_size)
 
     def _deliver(self, row: OutboxEntry) -> None:
         sink = self._settings.sink(row.sink)
         if sink is None:  # reconfigured between claim and send; the lease will expire and retry
             return
         now = utc(self._clock())
+        if not outbox.renew(self._engine, row.id, row.next_attempt_at, now + self._lease()):
+            return  # its lease ran out while earlier rows were sent, and another process took it
         try:
             delivery = Delivery(
                 row_id=row.id, message_id=str(row.payload.get("message_id") or f"msg_fp8guard_{row.id}"),

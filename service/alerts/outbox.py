@@ -22,7 +22,8 @@ __all__ = ["RESOLVED_SUFFIX", "STATUSES", "backlog", "enqueue", "new_message_id"
 
 
 def outbox_rows(alerts: Sequence[Alert], settings: AlertSettings, now: datetime) -> list[OutboxRow]:
-    """One row per (alert, configured sink); none when no sink is configured."""
+    """One row per (alert, configured sink); none when no sink is configured. Each row carries the
+    incident window, so a run's repeated alerts of one kind page once (``incident_window_s``)."""
     now = utc(now)
     rows: list[OutboxRow] = []
     seen: set[tuple[str, str]] = set()
@@ -37,6 +38,7 @@ def outbox_rows(alerts: Sequence[Alert], settings: AlertSettings, now: datetime)
                 active_until = now if alert.resolved else now + timedelta(seconds=settings.active_for_s)
             rows.append(OutboxRow(sink=sink.name, dedupe_key=alert.dedupe_key, kind=alert.kind,
                                   severity=alert.severity, now=now, active_until=active_until,
+                                  quiet_s=0.0 if alert.resolved else settings.incident_window_s,
                                   payload={"alert": alert.to_json(), "sink_type": sink.type,
                                            "message_id": new_message_id()}))
     return rows

@@ -22,7 +22,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -42,6 +42,7 @@ __all__ = [
     "new_message_id",
     "record",
     "record_active",
+    "renew",
     "resolve",
     "utc",
 ]
@@ -76,6 +77,10 @@ class OutboxRow:
     payload: dict[str, Any]
     now: datetime
     active_until: datetime | None = None
+    quiet_s: float = 0.0
+    """One page per incident: skipped when the run already has a row of this sink and kind
+    created within the last ``quiet_s`` seconds (not given up, not a resolution notice, and
+    no resolution since)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,7 @@ def insert_rows(conn: sa.Connection, rows: Sequence[OutboxRow], *, run_pk: int |
     """Insert in the caller's transaction; a (sink, dedupe_key) already queued is skipped with
     ``ON CONFLICT DO NOTHING`` (which, unlike catching an IntegrityError, leaves a PostgreSQL
     transaction usable). Returns how many rows were new."""
+    rows = _outside_open_incidents(conn, rows, run_pk)
     if not rows:
         return 0
     values = [{"run_pk": run_pk, "sink": r.sink, "dedupe_key": r.dedupe_key, "kind": r.kind, "severity": r.severity,
@@ -107,6 +113,27 @@ def insert_rows(conn: sa.Connection, rows: Sequence[OutboxRow], *, run_pk: int |
             # rowcount is not portable for INSERT .. ON CONFLICT; RETURNING lists only the new rows.
             .returning(SqlAlert.id))
     return len(conn.execute(stmt).all())
+
+
+def _outside_open_incidents(conn: sa.Connection, rows: Sequence[OutboxRow], run_pk: int | None) -> list[OutboxRow]:
+    """``rows`` less those whose (run, sink, kind) already paged within their ``quiet_s``: one
+    read per such row, and alerts are rare (a storm of them is what this bounds)."""
+    kept: list[OutboxRow] = []
+    opened: set[tuple[str, str]] = set()
+    for r in rows:
+        if r.quiet_s > 0 and run_pk is not None:
+            if (r.sink, r.kind) in opened:
+                continue
+            since = utc(r.now) - timedelta(seconds=r.quiet_s)
+            recent = sa.select(_T.c.dedupe_key, _T.c.status).where(
+                _T.c.run_pk == run_pk, _T.c.sink == r.sink, _T.c.kind == r.kind, _T.c.created_at >= since,
+                _T.c.status != "failed").order_by(_T.c.created_at.desc(), _T.c.id.desc()).limit(1)
+            last = conn.execute(recent).first()
+            if last is not None and not str(last.dedupe_key).endswith(RESOLVED_SUFFIX):
+                continue  # the incident this alert belongs to already paged this sink
+            opened.add((r.sink, r.kind))
+        kept.append(r)
+    return kept
 
 
 def resolve(conn: sa.Connection, dedupe_key: str, now: datetime, *, notify: bool = True) -> int:
@@ -179,6 +206,16 @@ def claim_due(engine: Engine, sinks: Sequence[str], now: datetime, lease_until: 
 
 def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def renew(engine: Engine, row_id: int, held: datetime, until: datetime) -> bool:
+    """Move a claimed row's lease from ``held`` (the lease this claim holds) to ``until``; False
+    when the row no longer carries that lease (another process claimed it since, or it was
+    delivered), and then this claim must not send it."""
+    with engine.begin() as conn:
+        moved = conn.execute(sa.update(_T).where(_T.c.id == row_id, _T.c.next_attempt_at == utc(held))
+                             .values(next_attempt_at=utc(until)).returning(_T.c.id)).first()
+    return moved is not None
 
 
 def record(engine: Engine, row_id: int, **values: Any) -> None:

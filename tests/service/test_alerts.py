@@ -19,6 +19,8 @@ from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 import sqlalchemy as sa
 from pydantic import Field, ValidationError
@@ -37,6 +39,7 @@ from fp8guard.service.alerts import (
     enqueue,
     resolve,
 )
+from fp8guard.service.alerts.dispatcher import LEASE_MARGIN_S
 from fp8guard.service.store import make_engine
 from fp8guard.service.store.models import SqlAlert, SqlRun
 
@@ -669,3 +672,114 @@ def test_background_thread_survives_errors(engine: Engine, receiver: Receiver,
     assert "alert dispatcher pass failed" in caplog.text
     assert d._thread is None
     assert [r.status for r in outbox(engine)] == ["sent", "sent"]
+
+
+# -- leases: an interrupted delivery is retried within a minute ----------------------------------
+
+
+class Crash(BaseException):
+    """The process dying mid-send (not an error the dispatcher may catch)."""
+
+
+def test_a_delivery_interrupted_by_a_crash_is_retried_within_a_minute(migrated_url: str,
+                                                                        receiver: Receiver) -> None:
+    settings = webhook_settings(receiver)
+    clock = Clock()
+    first = make_engine(migrated_url)
+    put(first, settings, alert(1), alert(2), alert(3))
+
+    def die(_: httpx.Request) -> httpx.Response:
+        raise Crash
+
+    d1 = AlertDispatcher(first, settings, clock=clock, client=httpx.Client(transport=httpx.MockTransport(die)))
+    with pytest.raises(Crash):
+        d1.run_once()
+    first.dispose()  # the process is gone, its first row leased mid-send, the other two claimed
+
+    second = make_engine(migrated_url)
+    d2 = dispatcher(second, settings, clock)
+    clock.advance(settings.request_timeout_s + LEASE_MARGIN_S + 1)
+    assert clock.now - T0 < timedelta(minutes=1)
+    assert d2.run_once() == 3, "every row the dead process held is due again within a minute"
+    d2.close()
+    assert [r.status for r in outbox(second)] == ["sent", "sent", "sent"]
+    second.dispose()
+
+
+def test_each_send_renews_its_lease_and_a_row_taken_over_is_not_sent_twice(engine: Engine,
+                                                                           receiver: Receiver) -> None:
+    """Sends are sequential: a row whose claim ran out while earlier rows were slow, and that
+    another dispatcher claimed meanwhile, is left to that dispatcher."""
+    settings = webhook_settings(receiver)
+    lease = timedelta(seconds=settings.request_timeout_s + LEASE_MARGIN_S)
+    clock = Clock()
+    put(engine, settings, alert(1), alert(2), alert(3))
+    d1, d2 = dispatcher(engine, settings, clock), dispatcher(engine, settings, clock)
+    taken: list[int] = []
+
+    def slow_sends(req: Received) -> None:
+        sending = len(receiver.received("/hook"))
+        if sending == 1:
+            assert outbox(engine)[0].next_attempt_at == clock.now + lease
+            clock.advance(settings.request_timeout_s)  # each send uses its whole timeout
+        elif sending == 2:
+            assert outbox(engine)[1].next_attempt_at == clock.now + lease, "renewed when its send began"
+            clock.advance(settings.request_timeout_s + 1)
+            receiver.on_request = None
+            taken.append(d2.run_once())  # the third row's claim ran out: another process takes it
+
+    receiver.on_request = slow_sends
+    assert d1.run_once() == 3
+    d1.close()
+    d2.close()
+    assert taken == [1], "only the row whose claim ran out, not the two d1 held leases on"
+    ids = [r.headers["webhook-id"] for r in receiver.received("/hook")]
+    assert len(ids) == 3 and len(set(ids)) == 3, "each alert went out once"
+    assert [r.status for r in outbox(engine)] == ["sent", "sent", "sent"]
+
+
+# -- alert storms: one page per incident ---------------------------------------------------------
+
+
+def test_repeated_alerts_of_a_run_page_once_per_incident(engine: Engine, receiver: Receiver) -> None:
+    settings = webhook_settings(receiver, incident_window_s=3600)
+    with engine.begin() as conn:
+        run_pk = conn.execute(sa.insert(SqlRun).values(run_id="r-42", world_size=1, status="running",
+                                                       created_at=T0, updated_at=T0).returning(SqlRun.id)).scalar_one()
+    for i in range(10):
+        with engine.begin() as conn:
+            enqueue(conn, [alert(i, kind="escalation")], settings, T0 + timedelta(seconds=5 * i), run_pk)
+    with engine.begin() as conn:
+        enqueue(conn, [alert(99, kind="rollback")], settings, T0 + timedelta(seconds=60), run_pk)
+    assert [(r.kind, r.dedupe_key) for r in outbox(engine)] == [
+        ("escalation", "r-42:escalation:0"), ("rollback", "r-42:rollback:99")]
+    with engine.begin() as conn:  # past the window: a new incident pages again
+        enqueue(conn, [alert(10, kind="escalation")], settings, T0 + timedelta(seconds=3700), run_pk)
+    with engine.begin() as conn:  # resolved: the next alert is a new incident
+        resolve(conn, "r-42:rollback:99", T0 + timedelta(seconds=3800))
+        enqueue(conn, [alert(100, kind="rollback")], settings, T0 + timedelta(seconds=3801), run_pk)
+    assert [r.dedupe_key for r in outbox(engine)] == [
+        "r-42:escalation:0", "r-42:rollback:99", "r-42:escalation:10", "r-42:rollback:99:resolved",
+        "r-42:rollback:100"]
+
+
+def test_ten_nan_batches_send_one_page(migrated_url: str, receiver: Receiver) -> None:
+    """Issue #15: ten POSTs of NaN-loss batches, far apart in steps and with no checkpoint, sent
+    ten pages; the decisions are all still stored."""
+    from fastapi.testclient import TestClient
+
+    from fp8guard.service import Settings, create_app
+    from tests.helpers import batch, post, register
+
+    app = create_app(Settings(database_url=migrated_url, auth="off", alerts=webhook_settings(receiver)))
+    with TestClient(app) as c:
+        register(c, "victim")
+        for i in range(10):
+            steps = [i * 1000 + j for j in range(5)]
+            values = np.ones((5, 4, 6), dtype="<f4")
+            r = post(c, batch("victim", steps, values=values, losses=[float("nan")] * 5))
+            assert r.status_code == 200, r.text
+        pages = [a for a in c.get("/v1/runs/victim/actions").json() if a["kind"] == "page"]
+    assert len(pages) == 10
+    rows = outbox(app.state.store.engine)
+    assert [(r.kind, r.sink) for r in rows] == [("escalation", "webhook")], rows
