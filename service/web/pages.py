@@ -1,11 +1,14 @@
 """Web dashboards: server-rendered HTML shells plus small vanilla JS that fetch the JSON query
-API (``/v1/runs/...``) and draw it with plotly. No build step; plotly is served offline from the
-installed ``plotly`` package at ``/static/plotly.min.js``.
+API (``/v1/runs/...``) and draw it with plotly. No build step; plotly.js is vendored as a pinned file
+(``dashboards/web/static/vendor/plotly-<version>.min.js``, with its licence) and served offline at
+``/static/plotly.min.js``.
 
 Pages: ``/`` (runs), ``/runs/{run_id}`` (one run), ``/compare?run=A&baseline=B``, ``/docs`` (the
 API, with ``/openapi.json``), ``/login``. Run names,
 tensor and module names are user data: the shells only place them in escaped attributes, and
-the scripts build the DOM with ``textContent``.
+the scripts build the DOM with ``textContent``. An unknown run (or run id) under the pages
+answers an HTML 404 page; :func:`install_page_errors` does the same for any unknown path a
+browser asks for outside the JSON API (which keeps its JSON errors).
 
 Every page needs a ``read`` principal (``service/auth``): a browser without one is sent to
 ``/login``, which trades a token for an HttpOnly, SameSite=Strict session cookie that the
@@ -27,17 +30,20 @@ from string import Template
 from typing import Annotated
 from urllib.parse import parse_qs, quote
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fp8guard import wire
 from fp8guard.service.auth import SESSION_COOKIE, Authenticator, Principal, require
 from fp8guard.service.auth import tokens as auth_tokens
+from fp8guard.service.errors import NotFound
 from fp8guard.service.kinds import Role
 
-__all__ = ["web_router"]
+__all__ = ["install_page_errors", "web_router"]
 
 _STATIC_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}\.(js|css)$")
 _TYPES = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
@@ -45,6 +51,9 @@ _LONG_CACHE = "public, max-age=31536000, immutable"
 _CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
         "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 PLOTLY_FILE = "plotly.min.js"
+_VENDORED_PLOTLY = re.compile(r"^plotly-(\d+\.\d+\.\d+)\.min\.js$")
+_HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"}
+_API_PREFIXES = ("/v1/", "/static/", "/metrics", "/healthz", "/openapi.json")
 
 
 class _Asset:
@@ -76,15 +85,19 @@ class _Assets:
             match = _STATIC_NAME.match(item.name)
             if match:
                 self.files[item.name] = _Asset(item.read_bytes(), _TYPES[match.group(1)])
+        vendored = [(m.group(1), item) for item in root.joinpath("static", "vendor").iterdir()
+                    if (m := _VENDORED_PLOTLY.match(item.name))]
+        if len(vendored) != 1:
+            raise RuntimeError(f"expected one vendored plotly-<version>.min.js, found {[v for v, _ in vendored]}")
+        self.plotly_version, self._plotly_file = vendored[0]
         self._plotly: _Asset | None = None
         self._lock = threading.Lock()
 
     def get(self, name: str) -> _Asset | None:
         if name == PLOTLY_FILE:
-            with self._lock:
+            with self._lock:  # 4.8 MB: read on first use
                 if self._plotly is None:
-                    data = resources.files("plotly").joinpath("package_data", PLOTLY_FILE).read_bytes()
-                    self._plotly = _Asset(data, _TYPES["js"])
+                    self._plotly = _Asset(self._plotly_file.read_bytes(), _TYPES["js"])
                 return self._plotly
         return self.files.get(name)
 
@@ -94,14 +107,21 @@ class _Assets:
         return f"/static/{name}?v={asset.etag}"
 
 
-def _page(assets: _Assets, template: str, *, title: str, script: str, data: dict[str, str]) -> HTMLResponse:
+def _page(assets: _Assets, template: str, *, title: str, script: str, data: dict[str, str],
+          helpers: tuple[str, ...] = ()) -> HTMLResponse:
     attrs = " ".join(f'data-{k}="{html.escape(v, quote=True)}"' for k, v in sorted(data.items()))
     body = assets.templates[template].substitute(
         title=html.escape(title), css=assets.url("style.css"), common=assets.url("common.js"),
-        script=assets.url(script), plotly=f"/static/{PLOTLY_FILE}", data=attrs,
+        helpers="\n".join(f'<script src="{assets.url(h)}" defer></script>' for h in helpers),
+        script=assets.url(script), plotly=f"/static/{PLOTLY_FILE}?v={assets.plotly_version}", data=attrs,
     )
-    return HTMLResponse(body, headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-cache",
-                                       "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
+    return HTMLResponse(body, headers={**_HEADERS, "Cache-Control": "no-cache"})
+
+
+def _not_found_page(assets: _Assets, message: str) -> HTMLResponse:
+    body = assets.templates["notfound"].substitute(title="fp8guard: not found", css=assets.url("style.css"),
+                                                   message=html.escape(message))
+    return HTMLResponse(body, status_code=404, headers={**_HEADERS, "Cache-Control": "no-store"})
 
 
 def _login_page(assets: _Assets, *, next_url: str, error: str = "", status_code: int = 200) -> HTMLResponse:
@@ -140,8 +160,9 @@ def _reader(request: Request) -> Principal:
 _MAX_LOGIN_BODY = 4096
 
 
-RunIdPath = Annotated[str, PathParam(pattern=wire.RUN_ID_PATTERN, max_length=128)]
-RunIdQuery = Annotated[str | None, Query(pattern=wire.RUN_ID_PATTERN, max_length=128)]
+_RUN_ID = re.compile(wire.RUN_ID_PATTERN)
+PageRunQuery = Annotated[str | None, Query(max_length=1024)]
+"""Validated by the page itself, so that a bad one gets the HTML 404 page rather than a JSON 422."""
 
 
 def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
@@ -193,16 +214,30 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
     def runs_page() -> HTMLResponse:
         return _page(assets, "runs", title="fp8guard: runs", script="runs.js", data={"poll": poll})
 
+    def unknown_run(request: Request, *run_ids: str | None) -> HTMLResponse | None:
+        """The HTML 404 page for the first given run id that is malformed or names no run."""
+        for run_id in run_ids:
+            if run_id is None:
+                continue
+            if not _RUN_ID.match(run_id):
+                return _not_found_page(assets, f"{run_id!r} is not a run id.")
+            try:
+                request.app.state.store.run(run_id)
+            except NotFound:
+                return _not_found_page(assets, f"No run {run_id!r} here.")
+        return None
+
     @pages.get("/runs/{run_id}", response_class=HTMLResponse)
-    def run_page(run_id: RunIdPath, request: Request) -> HTMLResponse:
-        request.app.state.store.run(run_id)  # 404 (the API's error shape) for an unknown run
-        return _page(assets, "run", title=f"fp8guard: {run_id}", script="run.js",
-                     data={"poll": poll, "run-id": run_id})
+    def run_page(run_id: Annotated[str, PathParam(max_length=1024)], request: Request) -> HTMLResponse:
+        return unknown_run(request, run_id) or _page(
+            assets, "run", title=f"fp8guard: {run_id}", script="run.js", data={"poll": poll, "run-id": run_id},
+            helpers=("precision.js", "story.js", "heatmap.js", "tables.js"))
 
     @pages.get("/compare", response_class=HTMLResponse)
-    def compare_page(run: RunIdQuery = None, baseline: RunIdQuery = None) -> HTMLResponse:
-        return _page(assets, "compare", title="fp8guard: compare", script="compare.js",
-                     data={"poll": poll, "run": run or "", "baseline": baseline or ""})
+    def compare_page(request: Request, run: PageRunQuery = None, baseline: PageRunQuery = None) -> HTMLResponse:
+        return unknown_run(request, run or None, baseline or None) or _page(
+            assets, "compare", title="fp8guard: compare", script="compare.js",
+            data={"poll": poll, "run": run or "", "baseline": baseline or ""})
 
     @router.get("/static/{name}")
     def static(name: str, request: Request) -> Response:
@@ -228,3 +263,19 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
 
     router.include_router(pages)
     return router
+
+
+def install_page_errors(app: FastAPI) -> None:
+    """An HTML 404 page for a browser (``Accept: text/html``) that GETs an unknown path outside
+    the JSON API; API paths, and clients that do not ask for HTML, keep the JSON error."""
+    assets = _Assets()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        path = request.url.path
+        if (exc.status_code == 404 and request.method in ("GET", "HEAD") and not path.startswith(_API_PREFIXES)
+                and "text/html" in request.headers.get("accept", "")):
+            return _not_found_page(assets, f"Nothing at {path[:200]!r}.")
+        return await http_exception_handler(request, exc)
+
+    app.add_exception_handler(StarletteHTTPException, not_found)

@@ -5,6 +5,7 @@ Skipped when Playwright or /usr/bin/chromium is missing, except under CI=true, w
 
 from __future__ import annotations
 
+import html
 import os
 import shutil
 import threading
@@ -14,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from tests.helpers import batch, post, register
+from fp8guard import wire
+from tests.helpers import batch, post, register, tensor_defs
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -48,7 +51,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     from fp8guard.service import Settings, create_app
     from fp8guard.service.store import make_engine, upgrade
-    from fp8guard.service.web import web_router
+    from fp8guard.service.web import install_page_errors, web_router
 
     url = f"sqlite:///{tmp_path_factory.mktemp('web') / 'fp8guard.db'}"
     engine = make_engine(url)
@@ -57,6 +60,10 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     app = create_app(Settings(database_url=url, auth="off"))
     if not any(getattr(r, "path", None) == "/static/{name}" for r in app.routes):
         app.include_router(web_router(poll_seconds=1.0))
+    from starlette.exceptions import HTTPException
+
+    if not getattr(app.exception_handlers.get(HTTPException), "__qualname__", "").startswith("install_page_errors"):
+        install_page_errors(app)  # until create_app installs it
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -97,6 +104,72 @@ def _populate(base: str) -> None:
         r = post(client, batch("rolled", list(range(31, 80)), segment=1, define_tensors=False, batch_id="rolled-seg1",
                                losses=[2.0 + 0.05 * i for i in range(49)]))
         assert r.status_code == 200, r.text
+        _populate_story(client)
+
+
+STORY_STATS = ("amax", "scale", "saturation")
+COUNTS = ("overflows", "underflows")
+COUNT_EVERY = 5
+BF16 = (71, 85)
+"""blocks.1.fc (tensors 3-5) runs in BF16 over steps [71, 85): fallback applied at 70, promotion at 84."""
+ZERO = (75, 80)
+"""blocks.0.fc:fwd_input (tensor 0), in FP8, has a true amax of 0 over these steps."""
+
+
+def _story_batch(steps: list[int], segment: int, losses: list[float], events: list[dict[str, Any]],
+                 define: bool, rng: np.random.Generator) -> dict[str, Any]:
+    n = 6
+    vals = (1.0 + rng.random((len(steps), len(STORY_STATS), n))).astype("<f4")
+    for i, s in enumerate(steps):
+        if BF16[0] <= s < BF16[1]:
+            vals[i, :, 3:] = 0.0  # what a module in BF16 reports: amax 0, no FP8 statistic
+        if ZERO[0] <= s < ZERO[1]:
+            vals[i, 0, 0] = 0.0
+    counted = [s for s in steps if s % COUNT_EVERY == 0]
+    counts = rng.integers(0, 20, (len(counted), len(COUNTS), n)).astype("<f4")
+    if counted and counted[0] == 0:
+        counts[0, 1, :] = 1e6  # step 0's underflows: must not swamp the colour scale
+    blocks = [wire.tensor_stats_block(stats=STORY_STATS, steps=steps, n_tensors=n, data=vals.tobytes())]
+    if counted:
+        blocks.append(wire.tensor_stats_block(stats=COUNTS, steps=counted, n_tensors=n, data=counts.tobytes()))
+    return wire.make_batch(run_id="story", rank=0, segment=segment, tensors=tensor_defs(n) if define else (),
+                           steps=[{"step": s, "time": 1.7e9 + s, "loss": loss, "grad_norm": 1.0}
+                                  for s, loss in zip(steps, losses, strict=True)],
+                           tensor_stats=blocks, events=events)
+
+
+def _populate_story(client: httpx.Client) -> None:
+    """A loss spike at step 55 -> the service orders a rollback -> the agent applies it at 57 (back
+    to 30, segment 1); later blocks.1.fc falls back to BF16 and is re-promoted; counts every 5th step."""
+    rng = np.random.default_rng(1)
+    register(client, "story")
+    steps = list(range(58))
+    losses = [2.0 + 0.02 * float(rng.standard_normal()) for _ in steps]
+    losses[55] = losses[56] = losses[57] = 9.0
+    saved = [{"kind": "checkpoint_saved", "step": s, "data": {"path": f"/ck/{s}"}} for s in range(0, 58, 10)]
+    r = post(client, _story_batch(steps[:56], 0, losses[:56], saved, True, rng))
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while not (actions := client.get("/v1/runs/story/actions").json()):
+        assert time.monotonic() < deadline, "no decision for the loss spike"
+        time.sleep(0.1)
+    (rollback,) = actions
+    assert rollback["kind"] == "rollback", rollback
+    target = rollback["payload"]["checkpoint_step"]
+    ack = wire.CommandAck(command_id=rollback["id"], status=wire.AckStatus.APPLIED, applied_step=57, error=None)
+    r = post(client, _story_batch(steps[56:], 0, losses[56:], [
+        {"kind": "command_acknowledged", "step": 57, "data": {"kind": "rollback", **ack.to_json()}},
+        {"kind": "rollback_applied", "step": 57, "data": {"command_id": rollback["id"], "modules": None,
+                                                         "checkpoint_step": target, "resume_step": target + 1,
+                                                         "skip_batches": rollback["payload"]["skip_batches"]}}],
+        False, rng))
+    assert r.status_code == 200, r.text
+    rerun = list(range(target + 1, 100))
+    switches = [{"kind": "fallback_applied", "step": BF16[0] - 1, "data": {"modules": ["blocks.1.fc"]}},
+                {"kind": "promotion_applied", "step": BF16[1] - 1, "data": {"modules": ["blocks.1.fc"]}}]
+    r = post(client, _story_batch(rerun, 1, [2.0 + 0.02 * float(rng.standard_normal()) for _ in rerun], switches,
+                                  False, rng))
+    assert r.status_code == 200, r.text
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +214,8 @@ def _open(page: Any, url: str) -> None:
 def _plot_points(page: Any, div: str) -> int:
     return int(page.evaluate(
         "(id) => { const d = document.getElementById(id); if (!d || !d.data) return -1;"
-        " return d.data.reduce((n, t) => n + (t.z ? t.z.length * t.z[0].length : (t.y ? t.y.length : 0)), 0); }", div))
+        " return d.data.filter(t => t.yaxis !== 'y2')"  # the incident markers
+        " .reduce((n, t) => n + (t.z ? t.z.length * t.z[0].length : (t.y ? t.y.length : 0)), 0); }", div))
 
 
 def _clean(page: Any) -> None:
@@ -153,7 +227,7 @@ def _clean(page: Any) -> None:
 def test_runs_page(page: Any, base_url: str) -> None:
     _open(page, base_url + "/")
     ids = page.locator("#runs tbody tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
-    assert set(ids) == {"xss-run", "baseline", "rolled"}
+    assert set(ids) == {"xss-run", "baseline", "rolled", "story"}
     row = page.locator("tr[data-run-id='xss-run']")
     assert XSS_MODEL in row.inner_text()  # shown as text
     assert page.locator("tr[data-run-id='xss-run'] b").count() == 0  # never parsed as HTML
@@ -209,10 +283,115 @@ def test_compare_page(page: Any, base_url: str) -> None:
     _clean(page)
 
 
+def _pixel(page: Any, div: str, row: int, step: int) -> list[int]:
+    """The RGB the heatmap's canvas paints for (display row, the column holding step)."""
+    return list(page.evaluate(
+        "([id, row, step]) => { const d = document.getElementById(id), m = d.fp8Hover.info.m;"
+        " const c = FP8.heatmap.columnAt(m, step); if (c < 0) return [-1, -1, -1];"
+        " const p = d.fp8Canvas.getContext('2d').getImageData(c, row, 1, 1).data; return [p[0], p[1], p[2]]; }",
+        [div, row, step]))
+
+
+def _cell_text(page: Any, div: str, row: int, step: int) -> str:
+    return str(page.evaluate(
+        "([id, row, step]) => { const h = document.getElementById(id).fp8Hover.info;"
+        " return FP8.heatmap.cellText(h, row, FP8.heatmap.columnAt(h.m, step)).join(' | '); }", [div, row, step]))
+
+
+def test_run_page_tells_the_story(page: Any, base_url: str) -> None:
+    _open(page, base_url + "/runs/story")
+    page.wait_for_selector("#incidents li")
+    story = page.locator("#incidents").inner_text()
+    assert "step 55" in story and "loss spike (z=" in story, story
+    assert "rollback to checkpoint 30, skipping" in story and "applied at 57" in story, story
+    assert "resumed at step 31; loss back in band" in story, story
+    assert page.locator("#story-lead").inner_text().startswith("1 incident in 100 steps."), page.locator("#story-lead").inner_text()
+    # evidence as key/value tables, never raw JSON
+    assert page.locator("#timeline td.evidence table.kv").count() >= 3
+    cells = page.locator("#timeline td.evidence").all_inner_texts()
+    assert not [c for c in cells if c.lstrip().startswith("{")], cells
+    assert "checkpoint_step" in page.locator("#timeline td.evidence th").all_inner_texts()
+    # every chart on one step axis, with the incident markers
+    ranges = page.evaluate("() => ['loss', 'grad', 'precision-strip', 'hm-amax', 'hm-underflows', 'scale']"
+                           ".map(id => document.getElementById(id)._fullLayout.xaxis.range.map(Math.round))")
+    assert all(r == ranges[0] for r in ranges), ranges
+    for div in ("hm-amax", "hm-overflows", "precision-strip", "scale"):
+        names = page.evaluate("(id) => document.getElementById(id).data.map(t => t.name)", div)
+        assert "finding: critical" in names and "action: rollback" in names, (div, names)
+    # the precision strip: blocks.1.fc in BF16 over [71, 85)
+    bars = page.evaluate("() => document.getElementById('precision-strip').data.filter(t => t.name === 'BF16')"
+                         ".map(t => [t.y, t.base, t.x])")
+    assert bars == [[["blocks.1.fc"], [BF16[0]], [BF16[1] - BF16[0]]]], bars
+    _clean(page)
+
+
+def test_bf16_cells_are_absent_not_zero(page: Any, base_url: str) -> None:
+    _open(page, base_url + "/runs/story")
+    absent = page.evaluate("() => FP8.heatmap.ABSENT")
+    # rows in module order: 0-2 blocks.0.fc (FP8 throughout), 3-5 blocks.1.fc (BF16 over [71, 85))
+    for row in (3, 4, 5):
+        assert _pixel(page, "hm-amax", row, 78) == absent, row
+        assert _pixel(page, "hm-saturation", row, 78) == absent, row
+        assert "absent, not 0" in _cell_text(page, "hm-amax", row, 78)
+        assert _pixel(page, "hm-amax", row, BF16[0] - 1) != absent and _pixel(page, "hm-amax", row, BF16[1]) != absent
+    # a true amax of 0 in FP8 is a value (the bottom of the scale), not absent
+    zero = _pixel(page, "hm-amax", 0, 77)
+    assert zero != absent and zero == [0x44, 0x01, 0x54], zero
+    assert "bucket max): 0" in _cell_text(page, "hm-amax", 0, 77)
+    hatch = page.evaluate("() => document.getElementById('hm-amax').data.filter(t => t.name === 'absent (BF16)')"
+                          ".map(t => [Math.min(...t.x.filter(v => v !== null)), Math.max(...t.x.filter(v => v !== null))])")
+    assert hatch == [[BF16[0], BF16[1]]], hatch
+    _clean(page)
+
+
+def test_count_heatmaps_only_over_counted_steps(page: Any, base_url: str) -> None:
+    _open(page, base_url + "/runs/story")
+    no_data = page.evaluate("() => FP8.heatmap.NO_DATA")
+    for div in ("hm-overflows", "hm-underflows"):
+        for step in range(0, 100):
+            if BF16[0] <= step < BF16[1]:
+                continue
+            assert _pixel(page, div, 0, step) != no_data, (div, step)  # no zebra stripes
+        assert "counted at step 20" in _cell_text(page, div, 0, 23)
+    # step 0's 1e6 underflows do not set the scale: the rest (0-19) spans it
+    lo, hi = page.evaluate("() => document.getElementById('hm-underflows').fp8Hover.info.range")
+    assert lo == 0 and hi < 20, (lo, hi)
+    # the saturation legend says what 1 means
+    ticks = page.evaluate("() => document.getElementById('hm-saturation').data[1].marker.colorbar.ticktext")
+    assert "1 = FP8 max" in ticks, ticks
+    _clean(page)
+
+
+def test_not_found_pages(page: Any, base_url: str) -> None:
+    accept = {"accept": "text/html"}
+    for path, words in (("/runs/no-such-run", "No run 'no-such-run'"), ("/runs/bad%20id", "is not a run id"),
+                        ("/compare?run=story&baseline=nope", "No run 'nope'"), ("/runs/story/extra", "Nothing at"),
+                        ("/no/such/page", "Nothing at")):
+        r = httpx.get(base_url + path, headers=accept)
+        assert r.status_code == 404 and r.headers["content-type"].startswith("text/html"), (path, r.status_code)
+        assert words in html.unescape(r.text) and "Not found" in r.text, (path, r.text)
+        assert "script-src 'self'" in r.headers["content-security-policy"]
+    # the JSON API keeps JSON, and so does a client that does not ask for HTML
+    for path, headers in (("/v1/runs/no-such-run", accept), ("/v1/nope", accept), ("/no/such/page", {})):
+        r = httpx.get(base_url + path, headers=headers)
+        assert r.status_code == 404 and r.headers["content-type"] == "application/json", path
+    # names are escaped
+    r = httpx.get(base_url + "/runs/%3Cb%3Ex", headers=accept)
+    assert r.status_code == 404 and "<b>x" not in r.text
+    page.goto(base_url + "/runs/no-such-run")
+    assert page.locator("h1").inner_text() == "Not found (404)"
+    assert "No run 'no-such-run'" in page.locator("#what").inner_text()
+    assert [e for e in page.errors if "status of 404" not in e] == [] and page.external == []
+
+
 def test_static_and_errors(base_url: str) -> None:
     r = httpx.get(base_url + "/static/plotly.min.js", headers={"accept-encoding": "gzip"})
     assert r.status_code == 200 and "max-age=31536000" in r.headers["cache-control"]
     assert r.headers["content-encoding"] == "gzip" and len(r.content) > 1_000_000
+    vendored = sorted((Path(__file__).parents[2] / "dashboards/web/static/vendor").glob("plotly-*.min.js"))
+    assert len(vendored) == 1 and httpx.get(base_url + "/static/plotly.min.js").content == vendored[0].read_bytes()
+    shell = httpx.get(base_url + "/runs/story").text
+    assert f'src="/static/plotly.min.js?v={vendored[0].name[len("plotly-"):-len(".min.js")]}"' in shell
     assert httpx.get(base_url + "/static/..%2Fweb.py").status_code == 404
     assert httpx.get(base_url + "/static/nope.js").status_code == 404
     assert httpx.get(base_url + "/runs/no-such-run").status_code == 404
