@@ -24,14 +24,15 @@ What each command does:
 
 * ``fallback``: every FP8 module named in ``command.modules`` (None: the whole model; a name
   may also be a parent, e.g. ``blocks.3``, meaning every FP8 module under it) computes in high
-  precision from now on. Through every source with ``set_fp8(modules, enabled)`` (the
-  emulation's); for torchao, a ``Float8Linear`` (a subclass of ``nn.Linear``) gets an instance
-  ``forward`` that is ``nn.Linear.forward``, so it runs the plain GEMM (torchao is never
-  imported: modules are recognised by class name). Without ``sources`` the remediator finds
-  emulated and torchao modules on the model itself.
-* ``promote``: the same modules go back to FP8 with a fresh FP8 state (amax history zeroed,
-  scales 1), because the stale history of the incident would otherwise pin the scale. torchao
-  scales dynamically, so it has no state to reset.
+  precision from now on, through the ``set_fp8(modules, enabled)`` of the source that owns it
+  (:class:`~fp8guard.agent.sources.base.SwitchableSource`): each library switches its own way
+  (TE a nested autocast, torchao the plain GEMM, the emulation a flag), and this module knows
+  none of them. Sources of a kind that ``sources`` lacks are found on the model without hooks
+  (:func:`~fp8guard.agent.sources.discover_switches`: emulated and torchao modules; TE modules
+  need the monitor's source).
+* ``promote``: the same modules go back to FP8; each source leaves no stale FP8 state behind
+  (delayed scaling: amax history zeroed, scales 1, because the incident's history would
+  otherwise pin the scale; torchao scales dynamically and has none).
 * ``rollback``: restores the checkpoint of ``command.checkpoint_step`` in place (model, FP8
   metadata, optimizer, scheduler, RNG, data position), clears the gradients (so an
   ``optimizer.step()`` that still follows in this iteration changes nothing), advances the data
@@ -61,12 +62,11 @@ name counts as unknown only when no rank has it (pipeline stages hold different 
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,26 +74,12 @@ from torch import nn
 
 from fp8guard.agent.checkpoint import CheckpointManager
 from fp8guard.agent.commands import AckStatus, Command, Outcome
-from fp8guard.agent.sources.base import Source
-from fp8guard.agent.sources.emulation import EmulationSource
+from fp8guard.agent.sources import discover_switches
+from fp8guard.agent.sources.base import Source, SwitchableSource
 
 __all__ = ["Remediator", "SwitchableSource"]
 
 log = logging.getLogger("fp8guard.agent")
-
-_TORCHAO_CLASS = "Float8Linear"
-
-
-@runtime_checkable
-class SwitchableSource(Protocol):
-    """A source that can switch its modules between FP8 and high precision."""
-
-    kind: str
-
-    def tensors(self) -> Sequence[Any]: ...
-
-    def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None: ...
-
 
 @dataclass(slots=True)
 class _Switch:
@@ -117,7 +103,7 @@ class Remediator:
     """Applies fallback, promotion and rollback commands; see the module docstring.
 
     ``sources``: the monitor's sources (``monitor.sources``) or empty to find emulated and
-    torchao modules on the model. ``checkpoints``: needed for rollback. ``optimizer``: whose
+    torchao modules on the model (hook-free). ``checkpoints``: needed for rollback. ``optimizer``: whose
     learning rate a rollback scales (default: the CheckpointManager's). ``model``: where to
     look for FP8 modules (default: the CheckpointManager's; a DDP wrapper is looked through);
     names are qualified names in it, as the Monitor reports them. ``sync_ranks=False`` skips
@@ -233,8 +219,8 @@ class Remediator:
                 sample = sorted(frozenset[str]().union(*(s.names for s in self._find_switches())))[:8]
                 return Outcome(AckStatus.FAILED, error=(
                     f"unknown FP8 module(s) {nowhere}: no rank has a switchable FP8 module of that name or under "
-                    f"it (names look like {sample}; switchable are emulated and torchao modules and those of "
-                    f"sources with set_fp8)"))
+                    f"it (names look like {sample}; switchable are the modules of sources with set_fp8: "
+                    f"emulated and torchao modules found on the model, those of the sources passed)"))
         elif not any(k for _, _, k in views):
             return Outcome(AckStatus.FAILED, error="no FP8 module to switch: no source supports set_fp8 and the model has "
                                            "no emulated or torchao FP8 modules (pass Remediator(sources=monitor."
@@ -259,26 +245,12 @@ class Remediator:
     def _find_switches(self) -> list[_Switch]:
         if self._switches is not None:
             return self._switches
-        found: list[_Switch] = []
-        for src in self._sources:
-            setter = getattr(src, "set_fp8", None)
-            if callable(setter):
-                names = frozenset(spec.module for spec in src.tensors())
-                found.append(_Switch(kind=src.kind, names=names, set_fp8=setter))
-        kinds = {s.kind for s in found}
+        switchable: list[SwitchableSource] = [s for s in self._sources if isinstance(s, SwitchableSource)]
         model = self._root_model()
         if model is not None:
-            if "emulation" not in kinds:
-                emulation = EmulationSource.discover(model)  # hook-free, cheap
-                if emulation is not None:
-                    found.append(_Switch(kind="emulation", names=frozenset(s.module for s in emulation.tensors()),
-                                         set_fp8=emulation.set_fp8))
-            if "torchao" not in kinds:
-                torchao = {name: m for name, m in model.named_modules()
-                           if type(m).__name__ == _TORCHAO_CLASS and isinstance(m, nn.Linear)}
-                if torchao:
-                    found.append(_Switch(kind="torchao", names=frozenset(torchao),
-                                         set_fp8=functools.partial(_set_torchao_fp8, torchao)))
+            switchable += discover_switches(model, skip={s.kind for s in switchable})
+        found = [_Switch(kind=s.kind, names=frozenset(spec.module for spec in s.tensors()), set_fp8=s.set_fp8)
+                 for s in switchable]
         self._switches = found
         return found
 
@@ -430,17 +402,6 @@ def _per_rank(errors: list[tuple[int, str]]) -> str:
     if len(errors) == 1 and errors[0][0] == 0:
         return errors[0][1]
     return "; ".join(f"rank {r}: {e}" for r, e in errors)
-
-
-def _set_torchao_fp8(modules: Mapping[str, nn.Linear], names: Sequence[str], enabled: bool) -> None:
-    """torchao fallback: an instance ``forward`` that is plain ``nn.Linear.forward`` shadows
-    Float8Linear's; deleting it re-promotes. Hooks keep running (telemetry continues)."""
-    for name in names:
-        module = modules[name]
-        if enabled:
-            module.__dict__.pop("forward", None)
-        else:
-            module.__dict__["forward"] = functools.partial(nn.Linear.forward, module)
 
 
 def _scaled(value: Any, scale: float) -> tuple[Any, Any]:

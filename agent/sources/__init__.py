@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
 from fp8guard.agent.errors import ConfigError
-from fp8guard.agent.sources.base import STATS, Source, TensorSpec
+from fp8guard.agent.sources.base import STATS, Source, SwitchableSource, TensorSpec
 from fp8guard.agent.sources.emulation import EmulationSource
 
-__all__ = ["STATS", "EmulationSource", "Source", "TensorSpec", "discover_sources"]
+__all__ = ["STATS", "EmulationSource", "Source", "SwitchableSource", "TensorSpec", "discover_sources",
+           "discover_switches"]
 
 _LIBRARY = {"te": "transformer_engine", "torchao": "torchao"}
 
@@ -42,4 +43,22 @@ def discover_sources(model: nn.Module, wanted: Sequence[str] | None) -> list[Sou
             raise ConfigError(f"source {name!r} was requested but the model has no {name} FP8 modules")
         if source is not None:
             found.append(source)
+    return found
+
+
+def discover_switches(model: nn.Module, skip: Collection[str] = ()) -> list[SwitchableSource]:
+    """Hook-free switches for the FP8 modules of ``model`` (kinds in ``skip`` left out), for a
+    remediator that was given no sources: nothing is measured, nothing hooked, and no library
+    is imported that the model has not imported. TE modules need the monitor's source."""
+    found: list[SwitchableSource] = []
+    if "emulation" not in skip:
+        emulation = EmulationSource.discover(model)  # hook-free, cheap
+        if emulation is not None:
+            found.append(emulation)
+    if "torchao" not in skip and _LIBRARY["torchao"] in sys.modules:
+        from fp8guard.agent.sources import torchao
+
+        switch = torchao.switch(model)
+        if switch is not None:
+            found.append(switch)
     return found

@@ -19,7 +19,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AMAX", "COUNT_STATS", "HISTORY_MAX", "SATURATION", "SCALE", "STATS", "Source", "TensorSpec"]
+__all__ = ["AMAX", "COUNT_STATS", "HISTORY_MAX", "SATURATION", "SCALE", "STATS", "Source", "SwitchableSource",
+           "TensorSpec"]
 
 STATS: tuple[str, ...] = ("amax", "scale", "saturation", "amax_history_max")
 AMAX, SCALE, SATURATION, HISTORY_MAX = range(4)
@@ -70,4 +71,25 @@ class Source(Protocol):
 
     def read_counts(self, out: torch.Tensor) -> None:
         """Write counts accumulated since the last call into ``out`` (``[2, n]``) and reset them."""
+        ...
+
+
+@runtime_checkable
+class SwitchableSource(Protocol):
+    """What the remediator needs to fall modules back to high precision and promote them again.
+
+    Each library switches its modules its own way (TE: a nested autocast; torchao: the plain
+    GEMM; the emulation: a flag), so the switch lives with the source that knows the library
+    and the remediator stays library-agnostic. Re-promotion must leave no stale FP8 state
+    behind (a history that still holds the incident would pin the scale)."""
+
+    kind: str
+
+    def tensors(self) -> Sequence[TensorSpec]:
+        """The operands; the remediator switches the modules they name."""
+        ...
+
+    def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
+        """Switch the named modules (None: all of this source's) to FP8 (``enabled``) or to
+        high precision; idempotent."""
         ...

@@ -4,15 +4,23 @@ torchao scales dynamically: every cast computes its scale from the tensor's own 
 scale or amax lives in module state. This source measures them with hooks: a forward pre-hook
 (input, weight) and a backward pre-hook (grad_output) per ``Float8Linear``, each an amax
 reduction into a preallocated device buffer (max-accumulated across micro-batches until read).
-The scale is recomputed with torchao's own rule (``fp8_max / clamp(amax, 1e-12)``, rounded
-down to a power of two when the recipe says so), which makes the saturation ratio exactly 1
-unless the tensor holds inf; what matters for dynamic scaling is amax over time and the
-exact underflow counts. Rowwise (axiswise) recipes report the tensor-wide amax, i.e. the
-scale of the row with the largest amax.
+The scale is recomputed with torchao's own ops (:func:`torchao_scale`), so it equals the
+scale torchao cast with, to the bit; that makes the saturation ratio exactly 1 unless the
+tensor holds inf: what matters for dynamic scaling is amax over time and the exact underflow
+counts. Rowwise (axiswise) recipes report the tensor-wide amax, i.e. the largest of torchao's
+per-row amaxes, and the scale of that row (the smallest of torchao's per-row scales).
+
+Under CUDA autocast ``Float8Linear`` casts its input to the autocast dtype before measuring
+it; the hooks see the input before that cast, so its amax is rounded to the autocast dtype
+(rounding is monotonic: the amax of the rounded tensor is the rounded amax).
+
+The BF16 fallback of a ``Float8Linear`` also lives here (:func:`set_fp8`): the remediator
+switches modules through :class:`TorchaoSwitch` without knowing torchao.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -23,7 +31,7 @@ from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, Source, TensorSpec
 
-__all__ = ["TorchaoSource", "discover"]
+__all__ = ["TorchaoSource", "TorchaoSwitch", "discover", "in_fp8", "set_fp8", "switch", "torchao_scale"]
 
 try:
     from torchao.float8.float8_linear import Float8Linear
@@ -32,15 +40,67 @@ except ImportError:  # torchao is an optional extra: fp8guard[torchao]
 
 _EPS = 1e-12  # torchao.float8.float8_utils.EPS
 _ROLES = ("fwd_input", "fwd_weight", "bwd_grad_output")
+_BF16 = "_fp8guard_bf16"
+"""Instance attribute of a ``Float8Linear`` in BF16 fallback (its hooks then measure nothing)."""
+_switches = 0
+"""Bumped at every switch, so a source recomputes its FP8 mask only after one (not per read)."""
 
 
 def discover(model: nn.Module, *, required: bool) -> Source | None:
+    found = _find(model, required=required)
+    return TorchaoSource(found) if found else None
+
+
+def switch(model: nn.Module) -> TorchaoSwitch | None:
+    """The model's ``Float8Linear`` modules as a hook-free switch (no telemetry), or None."""
+    found = _find(model, required=False)
+    return TorchaoSwitch(found) if found else None
+
+
+def _find(model: nn.Module, *, required: bool) -> list[tuple[str, nn.Module]]:
     if Float8Linear is None:
         if required:
             raise SourceUnavailable("source 'torchao' needs torchao: pip install 'fp8guard[torchao]'")
-        return None
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
-    return TorchaoSource(found) if found else None
+        return []
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def torchao_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, pow2: torch.Tensor | bool) -> torch.Tensor:
+    """torchao's ``amax_to_scale`` op for op: ``fp8_max / clamp(amax, EPS)`` in float64 (which
+    torch evaluates as ``reciprocal(...) * fp8_max``), rounded to float32, then down to a power
+    of two where ``pow2``. ``fp8_max`` as a float64 tensor or a Python float; no host copy."""
+    scale = (torch.reciprocal(torch.clamp(amax.to(torch.float64), min=_EPS)) * fp8_max).to(torch.float32)
+    if isinstance(pow2, bool):
+        return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+    return torch.where(pow2, torch.exp2(torch.floor(torch.log2(scale))), scale)
+
+
+def in_fp8(module: nn.Module) -> bool:
+    """Whether a ``Float8Linear`` computes in FP8 (False while in BF16 fallback)."""
+    return not module.__dict__.get(_BF16, False)
+
+
+def set_fp8(modules: Sequence[tuple[str, nn.Module]], names: Sequence[str] | None, enabled: bool) -> None:
+    """BF16 fallback (``enabled=False``) or re-promotion of the named ``Float8Linear`` modules.
+
+    Fallback gives the module an instance ``forward`` that is plain ``nn.Linear.forward``
+    (``Float8Linear`` subclasses ``nn.Linear`` and keeps the same weight and bias), so it runs
+    the high-precision GEMM and autograd sees no FP8 cast; deleting it re-promotes. torchao
+    scales dynamically, from each tensor's own amax, so there is no stale state to reset.
+    Hooks keep running: the source's skip the module while it is in BF16 (amax 0, "not
+    measured"), other hooks see every step."""
+    global _switches
+    wanted = None if names is None else set(names)
+    for name, module in modules:
+        if wanted is not None and name not in wanted:
+            continue
+        if enabled and not in_fp8(module):
+            module.__dict__.pop("forward", None)
+            del module.__dict__[_BF16]
+        elif not enabled and in_fp8(module):
+            module.__dict__["forward"] = functools.partial(nn.Linear.forward, cast(nn.Linear, module))
+            module.__dict__[_BF16] = True
+    _switches += 1
 
 
 def _format(dtype: torch.dtype) -> Fp8Format:
@@ -52,68 +112,91 @@ def _axis(config: Any) -> int | None:
     return -1 if "AXISWISE" in str(getattr(config, "scaling_granularity", "")).upper() else None
 
 
-class TorchaoSource:
+class TorchaoSwitch:
+    """The ``Float8Linear`` modules of a model, switchable between FP8 and BF16; no hooks."""
+
     kind = "torchao"
 
     def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
         self._modules = list(modules)
         cfgs: list[Any] = [m.config for _, m in self._modules]
         casts = [(c.cast_config_input, c.cast_config_weight, c.cast_config_grad_output) for c in cfgs]
-        self._formats = [_format(cast.target_dtype) for trio in casts for cast in trio]
-        self._axes = [_axis(cast) for trio in casts for cast in trio]
+        self._formats = [_format(c.target_dtype) for trio in casts for c in trio]
+        self._axes = [_axis(c) for trio in casts for c in trio]
         self._pow2 = [bool(getattr(c, "round_scales_to_power_of_2", False)) for c in cfgs for _ in _ROLES]
         self._specs = [
             TensorSpec(module=name, role=role, fp8_format=str(fmt), fp8_max=fmt.fp8_max)
             for (name, _), fmts in zip(self._modules, _chunks(self._formats), strict=True)
             for role, fmt in zip(_ROLES, fmts, strict=True)
         ]
+
+    def tensors(self) -> Sequence[TensorSpec]:
+        return self._specs
+
+    def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
+        set_fp8(self._modules, modules, enabled)
+
+
+class TorchaoSource(TorchaoSwitch):
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__(modules)
         device = next(self._modules[0][1].parameters()).device
         n = len(self._specs)
         self._amax = torch.zeros(n, device=device)
         self._counts = torch.zeros(n, 2, dtype=torch.int64, device=device)
-        self._fp8_max = torch.tensor([s.fp8_max for s in self._specs], device=device)
+        self._fp8_max = torch.tensor([s.fp8_max for s in self._specs], dtype=torch.float64, device=device)
         self._pow2_mask = torch.tensor(self._pow2, device=device)
+        self._ones = torch.ones(n, device=device)
+        self._fp8_mask: torch.Tensor | None = None
+        """True per column in FP8, False where the module is in BF16 (None: all in FP8)."""
+        self._mask_at = _switches
         self._counting = False
         self._handles: list[Any] = []
         for k, (_, module) in enumerate(self._modules):
             self._handles.append(module.register_forward_pre_hook(self._forward_hook(3 * k)))
             self._handles.append(module.register_full_backward_pre_hook(self._backward_hook(3 * k + 2)))
 
-    def _observe(self, slot: int, x: torch.Tensor) -> None:
+    def _observe(self, slot: int, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         # torchao's own amax (torch.max(torch.abs(x))) propagates NaN into the scale: keep it visible.
-        amax = x.detach().abs().amax().float()
+        amax = x.detach().abs().amax()
+        if dtype is not None:  # the cast torchao applies first (autocast): round the amax the same way
+            amax = amax.to(dtype)
+        amax = amax.float()
         torch.maximum(self._amax[slot], amax, out=self._amax[slot])
         if self._counting:
             fmt, axis = self._formats[slot], self._axes[slot]
-            src = x.detach().float()
+            src = (x.detach() if dtype is None else x.detach().to(dtype)).float()
             # rowwise: each row is cast with its own scale
             a = amax if axis is None else src.abs().nan_to_num(nan=0.0).amax(dim=axis, keepdim=True)
-            scale = torch.reciprocal(torch.clamp(a, min=_EPS)) * fmt.fp8_max
-            if self._pow2[slot]:
-                scale = torch.exp2(torch.floor(torch.log2(scale)))
+            scale = torchao_scale(a, fmt.fp8_max, self._pow2[slot])
             self._counts[slot].add_(count_overflow_underflow(src, scale, fmt))
 
     def _forward_hook(self, base: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            self._observe(base, args[0])
+            if module.__dict__.get(_BF16, False):
+                return
+            x = args[0]
+            # Float8Linear.forward: `if torch.is_autocast_enabled(): input = input.to(<cuda dtype>)`
+            dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+            self._observe(base, x, dtype if dtype != x.dtype else None)
             self._observe(base + 1, cast(torch.Tensor, module.weight))
         return hook
 
     def _backward_hook(self, slot: int) -> Any:
         def hook(module: nn.Module, grad_output: tuple[torch.Tensor | None, ...]) -> None:
-            if grad_output and grad_output[0] is not None:
+            if grad_output and grad_output[0] is not None and not module.__dict__.get(_BF16, False):
                 self._observe(slot, grad_output[0])
         return hook
 
-    def tensors(self) -> Sequence[TensorSpec]:
-        return self._specs
-
     def read(self, out: torch.Tensor) -> None:
         amax = self._amax
-        # torchao writes `fp8_max / clamp(amax)` with a Python float, which torch evaluates as
-        # reciprocal(...) * fp8_max; do the same so the scale matches to the last bit.
-        scale = torch.reciprocal(torch.clamp(amax, min=_EPS)) * self._fp8_max
-        scale = torch.where(self._pow2_mask, torch.exp2(torch.floor(torch.log2(scale))), scale)
+        scale = torchao_scale(amax, self._fp8_max, self._pow2_mask)
+        if self._mask_at != _switches:  # a host-to-device copy after a switch only, never per step
+            self._mask_at = _switches
+            on = [in_fp8(m) for _, m in self._modules for _ in _ROLES]
+            self._fp8_mask = None if all(on) else torch.tensor(on, device=amax.device)
+        if self._fp8_mask is not None:  # a module in BF16 measured nothing: amax 0, scale 1
+            scale = torch.where(self._fp8_mask, scale, self._ones)
         out[AMAX].copy_(amax)
         out[SCALE].copy_(scale)
         out[HISTORY_MAX].copy_(amax)  # dynamic scaling keeps no history: the window is this step

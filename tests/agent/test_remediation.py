@@ -320,24 +320,40 @@ def test_promote_resets_the_stale_amax_history_and_scale() -> None:
 
 
 class Float8Linear(nn.Linear):
-    """Stands in for torchao's class (recognised by name): a forward that is visibly not plain."""
+    """Stands in for torchao's class: a forward that is visibly not plain."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + 1000.0
 
 
-def test_torchao_style_fallback_by_class_name() -> None:
+def test_torchao_fallback_through_its_source_switch() -> None:
+    """The torchao switch (owned by the torchao source, torchao not needed) through the remediator."""
+    from fp8guard.agent.sources.torchao import TorchaoSwitch, in_fp8
+
+    class Cfg:  # the parts of a Float8LinearConfig the switch reads
+        cast_config_input = cast_config_weight = type("C", (), {"target_dtype": torch.float8_e4m3fn})()
+        cast_config_grad_output = type("C", (), {"target_dtype": torch.float8_e5m2})()
+
     torch.manual_seed(0)
     model = nn.Sequential(Float8Linear(4, 4), nn.ReLU(), Float8Linear(4, 2))
+    for m in (model[0], model[2]):
+        m.config = Cfg()  # type: ignore[assignment]
     x = torch.randn(3, 4)
     fp8_out = model(x)
-    remediator = Remediator(model=model)
+    remediator = Remediator(sources=[TorchaoSwitch([("0", model[0]), ("2", model[2])])])
     assert remediator.apply(_cmd("fallback", modules=["0"]), step=0).status == "applied"
+    assert not in_fp8(model[0]) and in_fp8(model[2])
     plain_first = F.linear(x, model[0].weight, model[0].bias)
     assert torch.equal(model[0](x), plain_first)
     assert torch.equal(model(x), model[2].__class__.forward(model[2], F.relu(plain_first)))
     assert remediator.apply(_cmd("promote", cid=2, modules=["0"]), step=1).status == "applied"
-    assert torch.equal(model(x), fp8_out) and "forward" not in model[0].__dict__
+    assert torch.equal(model(x), fp8_out) and "forward" not in model[0].__dict__ and in_fp8(model[0])
+
+
+def test_no_torchao_knowledge_in_the_remediator() -> None:
+    """Each source owns its set_fp8: the remediator names no FP8 library's classes."""
+    text = (Path(__file__).resolve().parents[2] / "agent" / "remediation.py").read_text()
+    assert "Float8Linear" not in text and "import torchao" not in text
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
