@@ -184,7 +184,10 @@ def compare_batchings(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_suite(scenarios: Sequence[Scenario], batch_sizes: Sequence[int] = (1, 10), *,
-              database_url: str | None = None, progress: bool = False) -> dict[str, Any]:
+              database_url: str | None = None, progress: bool = False, twins: bool = True) -> dict[str, Any]:
+    """Run and score ``scenarios``. Without ``twins`` no unguarded run is trained: the loss leaves
+    the band where the first guarded run's did before its first applied command (the two are the
+    same run until then)."""
     import httpx
 
     started = time.perf_counter()
@@ -197,12 +200,13 @@ def run_suite(scenarios: Sequence[Scenario], batch_sizes: Sequence[int] = (1, 10
         healthy_curves: dict[int, dict[int, float]] = {}
         for sc in scenarios:
             per_bs: dict[int, dict[str, Any]] = {}
+            left: int | None = None
             unguarded: TrainResult | None = None
-            if sc.kind != "healthy":
+            if sc.kind != "healthy" and twins:
                 unguarded = train(sc, url=None, run_id=f"{sc.name}-unguarded", workdir=workdir, flush_steps=10,
                                   guarded=False)
-                if not band:
-                    band = _band(healthy_curves or {0: _healthy(sc, workdir).losses})
+            if sc.kind != "healthy" and not band:
+                band = _band(healthy_curves or {0: _healthy(sc, workdir).losses})
             for bs in batch_sizes:
                 run_id = f"{sc.name}-b{bs}-{stamp}"
                 api.put(f"/v1/runs/{run_id}", json={"model": "byte-gpt-2x64", "guard": GUARD,
@@ -215,7 +219,13 @@ def run_suite(scenarios: Sequence[Scenario], batch_sizes: Sequence[int] = (1, 10
                 actions = api.get(f"/v1/runs/{run_id}/actions").json()
                 if sc.kind == "healthy" and bs == batch_sizes[0]:
                     healthy_curves[sc.seed] = result.losses
-                left = None if unguarded is None else left_band(unguarded.losses, band, sc.onset)
+                if unguarded is not None:
+                    left = left_band(unguarded.losses, band, sc.onset)
+                elif sc.kind != "healthy" and bs == batch_sizes[0]:
+                    applied = min((a["applied_step"] for a in actions if a["applied_step"] is not None),
+                                  default=None)
+                    first_segment = _first_segment(result.timeline, applied)
+                    left = left_band(first_segment, band, sc.onset)
                 per_bs[bs] = {**score_run(sc, findings, actions, left), "_actions": actions,
                               "seconds": round(result.seconds, 1)}
                 if progress:
@@ -223,14 +233,23 @@ def run_suite(scenarios: Sequence[Scenario], batch_sizes: Sequence[int] = (1, 10
                           f"actions {per_bs[bs]['actions']}", file=sys.stderr, flush=True)
             board[sc.name] = {
                 "kind": sc.kind, "seed": sc.seed, "onset": None if sc.kind == "healthy" else sc.onset,
-                "unguarded_loss_leaves_band_at": None if unguarded is None else left_band(unguarded.losses, band,
-                                                                                          sc.onset),
+                "unguarded_loss_leaves_band_at": left,
                 **compare_batchings(per_bs),
                 "by_batch_size": {str(bs): {k: v for k, v in r.items() if not k.startswith("_")}
                                   for bs, r in per_bs.items()},
             }
     return {"scenarios": board, "batch_sizes": list(batch_sizes), "guard": GUARD,
             "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _first_segment(timeline: list[tuple[int, float]], applied: int | None) -> dict[int, float]:
+    """The losses of the run's steps up to its first applied command (before any rollback)."""
+    out: dict[int, float] = {}
+    for step, loss in timeline:
+        if step in out or (applied is not None and step > applied):
+            break
+        out[step] = loss
+    return out
 
 
 def _healthy(sc: Scenario, workdir: Path) -> TrainResult:

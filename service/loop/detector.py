@@ -65,6 +65,8 @@ class Detector:
         self.under_base = _arr(s.get("under_base"), n, np.float32, fill=-1.0)
         self.under_run = _arr(s.get("under_run"), n, np.int64)
         self.stale_run = _arr(s.get("stale_run"), n, np.int64)  # consecutive steps with a pinned scale
+        self.hist_last = _arr(s.get("hist_last"), n, np.float32, fill=np.nan)  # last amax_history_max seen
+        self.hist_since = _arr(s.get("hist_since"), n, np.float64, fill=np.nan)  # step it took that value
         self.threshold = np.array([config.saturation_bwd if t.backward else config.saturation_fwd
                                    for t in self.tensors], dtype=np.float64)
         self.spike_bound = np.array([config.saturation_spike_bwd if t.backward else config.saturation_spike_fwd
@@ -329,14 +331,22 @@ class Detector:
                 (self._seen_steps >= cfg.amax_growth_warmup)
         runs = rules.consecutive(self.stale_run, pinned)  # an unmeasured step (BF16) ends the episode
         self.stale_run = runs[-1]
+        since = self._pinned_since(steps, hist_max)
         out = []
         for row, idx in self._fresh_events("stale_scale", steps, runs >= cfg.stale_scale_steps):
             step = int(steps[row])
             ratio = hist_max[row, idx] / amax[row, idx]
             worst = idx[int(np.argmax(ratio))]
+            # The episode began when the outlier that pins the scale entered the history, not when
+            # the rule's count ran out: so the policy can tell the after-effect of a blown-up update
+            # (the outlier came after a loss event) from a cause, however long the history holds it.
+            pinned_at = since[row, idx]
+            onset = step - cfg.stale_scale_steps + 1
+            if np.isfinite(pinned_at).any():
+                onset = min(onset, int(np.nanmin(pinned_at)))
             out.append(Finding(
                 rule=Rule.STALE_SCALE, severity=Severity.WARNING, step=step,
-                onset_step=step - cfg.stale_scale_steps + 1, modules=self._modules(idx),
+                onset_step=onset, modules=self._modules(idx),
                 explanation=(f"The FP8 scale of {idx.size} tensor(s) is pinned by a past outlier: for "
                              f"{cfg.stale_scale_steps}+ steps the amax history held {float(ratio.max()):.3g}x the "
                              f"current amax of {self.tensors[worst].name}, so its ordinary values are cast far below "
@@ -344,6 +354,21 @@ class Detector:
                              "history."),
                 evidence={"tensors": self._names(idx), "history_over_amax": [float(r) for r in ratio[:20].tolist()],
                           "count": int(idx.size)}))
+        return out
+
+    def _pinned_since(self, steps: np.ndarray[Any, Any], hist_max: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Per step and tensor: the step at which ``amax_history_max`` took its current value (the
+        step its outlier was recorded; NaN before the tensor was seen), step by step whatever the
+        batching."""
+        last, since = self.hist_last, self.hist_since
+        out = np.empty(hist_max.shape, dtype=np.float64)
+        for t in range(hist_max.shape[0]):
+            h = hist_max[t]
+            changed = np.isfinite(h) & (h != last)
+            since = np.where(changed, float(steps[t]), since)
+            last = np.where(np.isfinite(h), h, last).astype(np.float32)
+            out[t] = since
+        self.hist_last, self.hist_since = last, since
         return out
 
     def _underflow(self, step: int, under: np.ndarray[Any, Any]) -> list[Finding]:
@@ -367,7 +392,7 @@ class Detector:
 
 
 _ARRAYS = ("sat_run", "fast", "slow", "seen", "growth_run", "last_log", "drift", "rising", "ramp_run", "last_scale",
-           "under_base", "under_run", "stale_run")
+           "under_base", "under_run", "stale_run", "hist_last", "hist_since")
 
 
 def _pack(a: np.ndarray[Any, Any]) -> dict[str, str]:
