@@ -1,0 +1,106 @@
+"""Issue #11's targets on the scenario suite (``bench/scenarios.py``): seeded emulated-FP8 training
+runs against the real service, at agent batch sizes 1 and 10.
+
+One suite run serves every test (200 steps, no unguarded twins: about two minutes on two cores).
+A target the suite does not meet yet is an ``xfail(strict=True)`` that names the reason, so it
+turns red the day it is met and the marker must go.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from bench.scenarios import run_suite, suite
+
+BATCH_SIZES = (1, 10)
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def board() -> dict[str, Any]:
+    return run_suite(suite(steps=200), BATCH_SIZES, twins=False)["scenarios"]
+
+
+def _runs(board: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return list(board[name]["by_batch_size"].values())
+
+
+def test_healthy_seeds_get_no_remediation(board: dict[str, Any]) -> None:
+    healthy = [n for n, s in board.items() if s["kind"] == "healthy"]
+    assert len(healthy) == 3
+    for name in healthy:
+        for run in _runs(board, name):
+            assert run["false_remediations"] == 0 and run["actions"] == [], (name, run["actions"])
+
+
+def test_a_one_step_outlier_is_flagged_at_its_step_on_its_module(board: dict[str, Any]) -> None:
+    s = board["weight_spike"]
+    for run in _runs(board, "weight_spike"):
+        first = run["first_finding"]
+        assert first is not None and first["step"] == s["onset"], first
+        assert first["modules"] == ["blocks.1.mlp_fc"], first
+        assert run["false_remediations"] == 0, run["actions"]
+
+
+def test_a_gradual_ramp_is_flagged_within_50_steps_naming_the_module_and_never_rolled_back(board: dict[str, Any]) -> None:
+    s = board["weight_ramp"]
+    for run in _runs(board, "weight_ramp"):
+        first = run["first_finding"]
+        assert first is not None and first["step"] - s["onset"] <= 50, first
+        assert "blocks.1.mlp_fc" in first["modules"], first
+        assert not any(a.startswith("rollback") for a in run["actions"]), run["actions"]
+
+
+def test_an_lr_blowup_is_found_within_5_steps_and_rolled_back_never_fallen_back(board: dict[str, Any]) -> None:
+    s = board["lr_blowup"]
+    left = s["unguarded_loss_leaves_band_at"]
+    assert left is not None and left <= 5, "the injection must blow the loss up at once"
+    for run in _runs(board, "lr_blowup"):
+        rollback_findings = [f for f in run["findings"]
+                             if f[2] in ("loss_divergence", "grad_divergence", "loss_spike", "nonfinite")]
+        assert rollback_findings and rollback_findings[0][1] - left <= 5, run["findings"][:5]
+        assert run["first_action"] is not None and run["first_action"]["kind"] == "rollback", run["actions"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "after the rollback the steps restart below the loss event's step, so the stale E5M2 scales that the "
+    "resumed, still too fast, run pins at its steps 1-2 do not count as after-effects (steps are compared, "
+    "not segments) and are fallen back (docs/detection.md)"))
+def test_an_lr_blowup_is_never_fallen_back(board: dict[str, Any]) -> None:
+    for run in _runs(board, "lr_blowup"):
+        assert run["false_remediations"] == 0, run["actions"]
+
+
+def test_a_data_spike_is_rolled_back_never_fallen_back(board: dict[str, Any]) -> None:
+    for run in _runs(board, "data_spike"):
+        assert run["first_action"] is not None and run["first_action"]["kind"] == "rollback", run["actions"]
+        assert run["first_finding"]["rule"] == "loss_spike"
+        assert run["false_remediations"] == 0, run["actions"]
+
+
+def test_the_heal_story_falls_back_the_modules_with_fp8_evidence(board: dict[str, Any]) -> None:
+    for run in _runs(board, "heal"):
+        assert run["first_action"] is not None and run["first_action"]["kind"] == "fallback", run["actions"]
+        assert run["false_remediations"] == 0, run["actions"]
+
+
+def test_findings_and_first_decisions_do_not_depend_on_the_batch_size(board: dict[str, Any]) -> None:
+    for name, s in board.items():
+        assert s["findings_identical"], (name, [r["findings"] for r in s["by_batch_size"].values()])
+        assert s["first_decision_identical"], (name, [r["first_action"] for r in s["by_batch_size"].values()])
+
+
+@pytest.mark.parametrize("batch_size", [
+    1,
+    pytest.param(10, marks=pytest.mark.xfail(strict=True, reason=(
+        "the agent's tripwire (loss x1.3 or grad x5 over its average after 10 warm-up steps, saturation "
+        "over 8) does not fire on a 2x-per-step amax climb, a 3 %-per-step ramp or a divergence in the "
+        "first 10 steps, so the finding's step reaches the service at the next flush (docs/detection.md)"))),
+])
+def test_at_most_two_steps_from_the_anomaly_to_the_applied_command(board: dict[str, Any], batch_size: int) -> None:
+    worst = {name: s["by_batch_size"][str(batch_size)]["max_steps_to_apply"] for name, s in board.items()}
+    assert all(v is None or v <= 2 for v in worst.values()), worst
