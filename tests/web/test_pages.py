@@ -315,6 +315,9 @@ def test_run_page_tells_the_story(page: Any, base_url: str) -> None:
     ranges = page.evaluate("() => ['loss', 'grad', 'precision-strip', 'hm-amax', 'hm-underflows', 'scale']"
                            ".map(id => document.getElementById(id)._fullLayout.xaxis.range.map(Math.round))")
     assert all(r == ranges[0] for r in ranges), ranges
+    areas = page.evaluate("() => ['loss', 'grad', 'precision-strip', 'hm-amax', 'hm-saturation', 'hm-underflows', 'scale']"
+                          ".map(id => { const s = document.getElementById(id)._fullLayout._size; return [s.l, Math.round(s.w)]; })")
+    assert all(a == areas[0] for a in areas), areas  # the step axes line up on the page
     for div in ("hm-amax", "hm-overflows", "precision-strip", "scale"):
         names = page.evaluate("(id) => document.getElementById(id).data.map(t => t.name)", div)
         assert "finding: critical" in names and "action: rollback" in names, (div, names)

@@ -132,6 +132,8 @@
     if (lo === null || !Number.isFinite(lo)) { lo = spec.kind === "saturation" ? -2 : 0; hi = lo + 1; }
     if (spec.kind === "saturation") { lo = Math.min(lo, -1); hi = Math.max(hi, Math.log10(2)); }
     if (!(hi > lo)) hi = lo + 1;
+    let top = -Infinity;
+    for (const v of vals) if (v > top) top = v;
     const stops = spec.kind === "saturation" ? saturationStops(lo, hi) : spec.kind === "count" ? CIVIDIS : VIRIDIS;
     const table = lut(stops), grey = pack(NO_DATA), gone = pack(ABSENT), verm = pack(parseColor(colors.vermillion));
     const canvas = document.createElement("canvas");
@@ -178,6 +180,12 @@
       const label = (e) => (Number.isInteger(e) ? (e >= -3 && e <= 4 ? String(10 ** e) : "1e" + e) : F.fmt(10 ** e, 3));
       bar.tickvals = ticks;
       bar.ticktext = ticks.map((e) => (spec.kind === "saturation" && e === 0 ? "1 = FP8 max" : label(e)));
+    }
+    if (top > hi) {  /* clipped: the top colour means "this much or more" */
+      if (!bar.tickvals) { bar.tickmode = "array"; bar.tickvals = [0, hi / 2]; bar.ticktext = ["0", F.fmt(hi / 2, 3)]; }
+      const keep = bar.tickvals.map((t, i) => [t, bar.ticktext[i]]).filter(([t]) => t < hi - (hi - lo) / 10);
+      bar.tickvals = keep.map(([t]) => t).concat([hi]);
+      bar.ticktext = keep.map(([, l]) => l).concat([">= " + (spec.kind === "count" ? F.fmt(hi, 3) : F.fmt(10 ** hi, 3))]);
     }
     const traces = [
       { type: "heatmap", x: m.steps, y: y.map((s, i) => i), z, visible: false, name: spec.stat, hoverinfo: "skip" },

@@ -39,7 +39,7 @@
     const x0 = tensors.length ? Math.min(...tensors.map((t) => t.first_step)) : 0;
     const x1 = detail.last_step === null ? x0 + 1 : detail.last_step + 1;
     state.xRange = [x0, Math.max(x1, x0 + 1)];
-    state.margin = { l: tensors.length <= 60 ? 260 : 70, r: 110, b: 40 };
+    state.margin = { l: tensors.length <= 60 ? 260 : 70, r: 150, b: 40 };
   }
 
   let syncing = false;
