@@ -94,6 +94,30 @@ class MonitorConfig:
     tripwire_wait_s: float = 0.25
     """After it trips, the next step boundary waits up to this long for the decision (only then:
     a run that tripped is in trouble already; 0 never waits, and the command applies one step later)."""
+    harm_interval_steps: int = 200
+    """Every this many steps, when ``monitor.step`` gets a ``loss_fn``, measure what FP8 costs
+    the loss on the current batch (``fp8guard.agent.harm``): two extra no-grad forwards, the
+    training precision and every module in high precision. A forward is about a third of a
+    training step, so the cost is about 2/3 / interval of step time (0.33 % at 200); 0 turns the
+    probe off."""
+    harm_band_z: float = 4.0
+    """A probe's gap is harm when it exceeds the median of this run's gaps by this many robust
+    spreads (and by at least ``harm_min_gap``): then the probe bisects to name the modules."""
+    harm_min_gap: float = 0.005
+    """The smallest relative loss gap ever called harm (0.5 %); before ``harm_warmup_probes``
+    readings, gaps above 10x this are harm at once."""
+    harm_warmup_probes: int = 5
+    """Probes that build the band before it judges."""
+    tripwire_lag_steps: int = 2
+    """Under torch.distributed, every rank reads the tripwire's verdict of a step this many step
+    boundaries later (waiting for it only if its device work has not completed by then), so all
+    of them see it fire at the same boundary and enter one extra command broadcast together: a
+    command applies this many steps after the anomaly. 1 answers a step sooner but lets the host
+    run only one step ahead of the device."""
+    tripwire_all_reduce: bool = False
+    """Under torch.distributed, MAX-all-reduce each step's tripwire verdict (one int, enqueued on
+    the device: no host sync, but a tiny collective per step), so that per-rank quantities (the
+    loss, non-replicated amaxes) count for the two-step answer too, not only the gradient norm."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Reserved for integrations."""
 
@@ -143,3 +167,9 @@ class MonitorConfig:
             raise ConfigError("tripwire_loss_factor, tripwire_grad_factor and tripwire_saturation must be > 1")
         if self.tripwire_warmup_steps < 0 or not self.tripwire_wait_s >= 0:
             raise ConfigError("tripwire_warmup_steps and tripwire_wait_s must be >= 0")
+        if not 1 <= self.tripwire_lag_steps <= 16:
+            raise ConfigError(f"tripwire_lag_steps must be between 1 and 16, got {self.tripwire_lag_steps}")
+        if self.harm_interval_steps < 0 or self.harm_warmup_probes < 1:
+            raise ConfigError("harm_interval_steps must be >= 0 (0: no probe) and harm_warmup_probes >= 1")
+        if not (self.harm_band_z > 0 and self.harm_min_gap > 0):
+            raise ConfigError("harm_band_z and harm_min_gap must be > 0")

@@ -33,11 +33,12 @@ from fp8guard.agent.commands import AckStatus, Command, Outcome, Remediator, par
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.harm import HarmProbe, LossFn
 from fp8guard.agent.kernels import sum_of_squares_into, triton_available
 from fp8guard.agent.shipper import Shipper
 from fp8guard.agent.sources import discover_sources
-from fp8guard.agent.sources.base import COUNT_STATS, STATS, Source, TensorSpec
-from fp8guard.agent.telemetry import GRAD_NORM, LOSS, FlushPacket, StepRing
+from fp8guard.agent.sources.base import COUNT_STATS, STATS, ProbeableSource, Source, TensorSpec
+from fp8guard.agent.telemetry import FP8_LOSS_GAP, GRAD_NORM, LOSS, LOSS_FP8, FlushPacket, StepRing
 from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
 from fp8guard.agent.tripwire import Tripwire
 
@@ -74,10 +75,18 @@ class Monitor:
         self._counting = False
         self._inbox: deque[Command] = deque()
         self._tripwire: Tripwire | None = None
+        self._harm: HarmProbe | None = None
         self._listener: CommandListener | None = None
         self._urgent_until: int | None = None
         """After the tripwire fired: check commands at every step boundary up to this step."""
         self._urgent_waited = False
+        self._tick = 0
+        """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
+        (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
+        self._extra_broadcast_tick: int | None = None
+        """The last boundary at which every rank entered a tripwire's extra command broadcast."""
+        self.tripwire_broadcasts = 0
+        """Extra command broadcasts entered after the tripwire fired (none in a healthy run)."""
         self._applied_ids: set[int] = set()
         self.remediator: Remediator | None = None
         self.rank, self.world_size = 0, 1
@@ -112,10 +121,18 @@ class Monitor:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._ring = StepRing(n_tensors=len(self._specs), fp8_max=[s.fp8_max for s in self._specs],
                               capacity=cfg.flush_interval_steps, device=device)
-        if self.reporting and cfg.tripwire:
+        probeable = [s for s in self._sources if isinstance(s, ProbeableSource)]
+        if cfg.harm_interval_steps > 0 and probeable:
+            # Every rank probes at the same steps (a sharded model's forward is collective).
+            self._harm = HarmProbe(probeable, interval_steps=cfg.harm_interval_steps, band_z=cfg.harm_band_z,
+                                   min_gap=cfg.harm_min_gap, warmup_probes=cfg.harm_warmup_probes, device=device)
+        if cfg.tripwire and (self.reporting or self.world_size > 1):
+            # Under torch.distributed every rank keeps one, reporting or not: all of them must
+            # read the same verdict at the same boundary to enter the extra broadcast together.
             self._tripwire = Tripwire(device, loss_factor=cfg.tripwire_loss_factor,
                                       grad_factor=cfg.tripwire_grad_factor, saturation=cfg.tripwire_saturation,
-                                      warmup_steps=cfg.tripwire_warmup_steps, use_loss=self.world_size == 1)
+                                      warmup_steps=cfg.tripwire_warmup_steps, lag_steps=cfg.tripwire_lag_steps,
+                                      all_reduce=cfg.tripwire_all_reduce and self.world_size > 1)
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
@@ -170,12 +187,16 @@ class Monitor:
         lr: float | torch.Tensor | None = None,
         tokens: int | None = None,
         step: int | None = None,
+        loss_fn: LossFn | None = None,
     ) -> None:
         """Record one training step. Enqueues device work only: no host sync.
 
         ``grad_norm`` defaults to the global L2 norm of the gradients, computed on the device
         (call before ``zero_grad``); ``lr`` to the optimizer's first param group's; ``step``
-        to one more than the last.
+        to one more than the last. ``loss_fn`` (no arguments: the current batch's loss with
+        the model as it is, e.g. ``lambda: loss_of(model(x), y)``) lets the harm probe measure
+        what FP8 costs this run every ``harm_interval_steps`` (``fp8guard.agent.harm``); call
+        ``step`` before ``optimizer.step()`` so the weights are the ones the loss saw.
         """
         if not self._attached:
             raise ConfigError("call Monitor.attach(model, optimizer) before Monitor.step()")
@@ -187,7 +208,7 @@ class Monitor:
         else:
             try:
                 self._answer_tripwire(current)
-                self._record(loss, grad_norm, lr, tokens, step)
+                self._record(loss, grad_norm, lr, tokens, step, self._probe(current, loss_fn))
             except Exception:  # monitoring must never take training down
                 self._broken = True
                 log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
@@ -199,9 +220,50 @@ class Monitor:
                 on_step(current)
             except Exception:
                 log.exception("fp8guard: remediator.on_step failed")
-        if (current + 1) % self.config.command_check_interval_steps == 0:
-            # Every rank reaches this at the same step, whatever it reports: the broadcast in
-            # _check_commands must be entered by all of them.
+        self._command_boundary(current, grad_norm)
+
+    # -- the tripwire ---------------------------------------------------------------------------
+
+    def _answer_tripwire(self, current: int) -> None:
+        """If an earlier step's device check has completed and fired (``Tripwire.peek``, no
+        wait): ship everything now and listen for the decision. Rank-local work only: ranks see
+        a check complete at different steps, so no collective may hang on this; the boundary
+        where every rank acts on a verdict together is ``_tripwire_due``'s."""
+        if self._tripwire is None:
+            return
+        fired = self._tripwire.peek()
+        if fired is None:
+            return
+        log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
+        self._tripwire_hurry(current)
+
+    def _tripwire_hurry(self, current: int) -> None:
+        """Ship what is recorded now and listen for the decision; this rank's work only."""
+        self._flush()
+        self._urgent_until = current + self.config.command_check_interval_steps
+        self._urgent_waited = False
+        if self._listener is not None:
+            self._listener.listen(30.0, after=max(self._applied_ids, default=0))
+
+    def _command_boundary(self, current: int, grad_norm: torch.Tensor | float | None) -> None:
+        """The end of every ``step`` call, on every rank, whatever it reports: commands apply here.
+
+        Under torch.distributed a broadcast is entered by all ranks or by none, and the branch
+        taken depends only on what is the same on every rank: the step call count (every
+        ``command_check_interval_steps``) and the tripwire's verdict due at this boundary (read
+        at a fixed lag, ``Tripwire.due``). A single process applies what has arrived at once."""
+        every_n = (current + 1) % self.config.command_check_interval_steps == 0
+        extra = self._tripwire_due(self._tick, current, grad_norm)
+        self._tick += 1
+        if extra:
+            # Rank 0's inbox is what the broadcast sends: give the decision its moment to arrive
+            # (the other ranks wait in the broadcast meanwhile).
+            self._await_decision()
+            if not every_n:
+                self.tripwire_broadcasts += 1
+        if every_n or extra:
+            # Every rank reaches this at the same step: the broadcast in _check_commands must be
+            # entered by all of them.
             self._check_commands(current)
         elif self.world_size == 1 and self._urgent_until is not None:
             self._urgent_check(current)
@@ -209,23 +271,62 @@ class Monitor:
             # One process needs no broadcast: a command that has arrived applies at this step.
             self._check_commands(current)
 
-    # -- the tripwire ---------------------------------------------------------------------------
+    def _tripwire_due(self, tick: int, current: int, grad_norm: torch.Tensor | float | None) -> bool:
+        """Read the verdict due at boundary ``tick``; True when every rank is to enter an extra
+        command broadcast now (under torch.distributed, the shared bit fired, and no extra
+        broadcast in the last ``command_check_interval_steps`` boundaries: a run that keeps
+        tripping is answered at the every-N broadcasts, never held up at each step).
 
-    def _answer_tripwire(self, current: int) -> None:
-        """If the previous step's device check fired: ship everything now and listen for the
-        decision (commands are checked at every step boundary for a while; under
-        torch.distributed at the next every-N broadcast, which every rank enters together)."""
-        if self._tripwire is None:
+        A verdict that no peek saw (the host ran ahead of the device) makes this rank hurry now;
+        a single process then applies the decision at this boundary."""
+        trip = self._tripwire
+        if trip is None:
+            return False
+        try:
+            if self.world_size > 1 and not trip.checked(tick):
+                # A rank that does not report (or whose monitoring broke) still checks the shared
+                # quantity, so that its verdicts stay the other ranks' verdicts.
+                trip.check(current, tick=tick, loss=None, grad_norm=self._shared_grad_norm(grad_norm, trip.device),
+                           saturation=None)
+            verdict = trip.due(tick)
+        except Exception:
+            self._tripwire = None
+            log.exception("fp8guard: the tripwire failed and is now off on this rank; training continues")
+            return False
+        if verdict is None or not verdict.fired:
+            return False
+        if not verdict.peeked:
+            log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", verdict.step)
+            if self.reporting and not self._broken:
+                try:
+                    self._tripwire_hurry(current)
+                except Exception:
+                    log.exception("fp8guard: shipping after the tripwire failed")
+        if self.world_size == 1 or not verdict.shared:
+            return False
+        last = self._extra_broadcast_tick
+        if last is not None and tick - last < self.config.command_check_interval_steps:
+            return False
+        self._extra_broadcast_tick = tick
+        return True
+
+    def _shared_grad_norm(self, grad_norm: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:
+        """The gradient norm as ``_record`` gives it to the tripwire (float32 on the device), for
+        ranks that do not record."""
+        if grad_norm is None:
+            return self._device_grad_norm() if self.config.compute_grad_norm else None
+        if isinstance(grad_norm, torch.Tensor):
+            return grad_norm.detach().reshape(()).to(device=device, dtype=torch.float32, non_blocking=True)
+        return torch.full((), float(grad_norm), dtype=torch.float32, device=device)
+
+    def _await_decision(self) -> None:
+        """On rank 0 (or alone), wait up to ``tripwire_wait_s`` for a command to arrive; only at
+        a boundary where the tripwire's verdict is due and fired, never in a healthy run."""
+        if self.rank != 0 or self.config.tripwire_wait_s <= 0:
             return
-        fired = self._tripwire.fired()
-        if fired is None:
-            return
-        log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
-        self._flush()
-        self._urgent_until = current + self.config.command_check_interval_steps
-        self._urgent_waited = False
-        if self._listener is not None:
-            self._listener.listen(30.0, after=max(self._applied_ids, default=0))
+        deadline = time.monotonic() + self.config.tripwire_wait_s
+        while not self._inbox and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def _urgent_check(self, current: int) -> None:
         assert self._urgent_until is not None
@@ -240,8 +341,35 @@ class Monitor:
         if len(self._applied_ids) > applied or current >= self._urgent_until:
             self._urgent_until = None
 
+    def _probe(self, current: int, loss_fn: LossFn | None) -> torch.Tensor | None:
+        """The harm probe's work at this step (``HarmProbe.on_step``); its own failures switch
+        the probe off, never the monitor."""
+        if self._harm is None or loss_fn is None:
+            return None
+        try:
+            done = self._harm.on_step(current, loss_fn, alone=self.world_size == 1)
+        except Exception:
+            self._harm = None
+            log.exception("fp8guard: the harm probe failed and is now off for this run; monitoring continues")
+            return None
+        for kind, data in done.events:
+            self.event(kind, step=current, data=data)
+        if done.hurry:
+            self._hurry(current)
+        return done.measured
+
+    def _hurry(self, current: int) -> None:
+        """Ship what is recorded now and listen for the decision (a measured harm, like a tripped
+        tripwire, should not wait for the next flush)."""
+        self._flush()
+        self._urgent_until = current + self.config.command_check_interval_steps
+        self._urgent_waited = False
+        if self._listener is not None:
+            self._listener.listen(30.0, after=max(self._applied_ids, default=0))
+
     def _record(self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | float | None,
-                lr: float | torch.Tensor | None, tokens: int | None, step: int | None) -> None:
+                lr: float | torch.Tensor | None, tokens: int | None, step: int | None,
+                probe: torch.Tensor | None = None) -> None:
         ring = self._ring
         assert ring is not None
         current = self._next_step if step is None else step
@@ -263,11 +391,13 @@ class Monitor:
         if lr is None and self._optimizer is not None and self._optimizer.param_groups:
             lr = self._optimizer.param_groups[0].get("lr")
         if self._tripwire is not None:
-            self._tripwire.check(current, loss=ring.scalars[i, LOSS] if loss is not None else None,
+            self._tripwire.check(current, tick=self._tick, loss=ring.scalars[i, LOSS] if loss is not None else None,
                                  grad_norm=ring.scalars[i, GRAD_NORM] if grad_norm is not None else None,
                                  saturation=ring.saturation(i) if self._specs else None)
+        if probe is not None:
+            ring.scalars[i, LOSS_FP8:FP8_LOSS_GAP + 1].copy_(probe)
         ring.commit_step(current, loss_given=loss is not None, norm_given=grad_norm is not None,
-                         lr=lr, tokens=tokens)
+                         lr=lr, tokens=tokens, probed=probe is not None)
         self._next_step = current + 1
         self._arm_counts_for(self._next_step)
         if ring.full or time.monotonic() - self._last_flush >= self.config.flush_interval_s:
@@ -297,6 +427,10 @@ class Monitor:
             box: list[Any] = [commands if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             commands = list(box[0] or [])
+        if commands and self._tripwire is not None:
+            # Pending verdicts describe the state before these commands (a rollback abandons it):
+            # every rank drops them at this same boundary, so their due reads stay in agreement.
+            self._tripwire.discard()
         for command in commands:
             self._apply(command, step)
 

@@ -18,7 +18,8 @@ from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, ST
 
 __all__ = ["FlushPacket", "StepRing"]
 
-LOSS, GRAD_NORM, LR = range(3)
+LOSS, GRAD_NORM, LR, LOSS_FP8, LOSS_BF16, FP8_LOSS_GAP = range(6)
+_HARM = ("loss_fp8", "loss_bf16", "fp8_loss_gap")
 
 
 @dataclass
@@ -27,7 +28,7 @@ class FlushPacket:
 
     steps: list[int]
     times: list[float]
-    given: list[tuple[bool, bool, bool]]
+    given: list[tuple[bool, bool, bool, bool]]
     lr_host: list[float | None]
     tokens: list[int | None]
     stats: torch.Tensor
@@ -46,7 +47,7 @@ class FlushPacket:
         scalars = self.scalars.tolist()  # host tensor: no device sync
         out = []
         for i, step in enumerate(self.steps):
-            loss_given, norm_given, lr_on_device = self.given[i]
+            loss_given, norm_given, lr_on_device, probed = self.given[i]
             lr = scalars[i][LR] if lr_on_device else self.lr_host[i]
             rec: dict[str, Any] = {"step": step, "time": self.times[i]}
             if loss_given:
@@ -57,6 +58,8 @@ class FlushPacket:
                 rec["lr"] = lr
             if self.tokens[i] is not None:
                 rec["tokens"] = self.tokens[i]
+            if probed:  # the harm probe ran at this step
+                rec.update(zip(_HARM, scalars[i][LOSS_FP8:FP8_LOSS_GAP + 1], strict=True))
             out.append(rec)
         return out
 
@@ -75,14 +78,14 @@ class StepRing:
         self.device = device
         self.stats = torch.zeros(capacity, len(STATS), n_tensors, device=device)
         self.counts = torch.zeros(capacity, len(COUNT_STATS), n_tensors, device=device)
-        self.scalars = torch.zeros(capacity, 3, device=device)
+        self.scalars = torch.zeros(capacity, 6, device=device)
         self.fp8_max = torch.tensor(list(fp8_max), dtype=torch.float32, device=device)
         self._reset()
 
     def _reset(self) -> None:
         self.steps: list[int] = []
         self.times: list[float] = []
-        self.given: list[tuple[bool, bool, bool]] = []
+        self.given: list[tuple[bool, bool, bool, bool]] = []
         self.lr_host: list[float | None] = []
         self.tokens: list[int | None] = []
         self.count_steps: list[int] = []
@@ -98,14 +101,14 @@ class StepRing:
         return len(self.steps)
 
     def commit_step(self, step: int, *, loss_given: bool, norm_given: bool, lr: float | torch.Tensor | None,
-                    tokens: int | None) -> None:
+                    tokens: int | None, probed: bool = False) -> None:
         i = len(self.steps)
         lr_on_device = isinstance(lr, torch.Tensor)
         if isinstance(lr, torch.Tensor):
             self.scalars[i, LR].copy_(lr.detach().reshape(()), non_blocking=True)
         self.steps.append(step)
         self.times.append(time.time())
-        self.given.append((loss_given, norm_given, lr_on_device))
+        self.given.append((loss_given, norm_given, lr_on_device, probed))
         self.lr_host.append(None if lr is None or isinstance(lr, torch.Tensor) else float(lr))
         self.tokens.append(tokens)
 

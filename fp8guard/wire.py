@@ -68,8 +68,10 @@ BATCH_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{8,128}$"
 MAX_BATCH_STEPS: Final = 100_000
 MAX_TENSORS: Final = 1_000_000
 
-STEP_FIELDS: Final = ("loss", "grad_norm", "lr")
-"""Float fields of a per-step record, in storage order (``tokens`` is an integer)."""
+STEP_FIELDS: Final = ("loss", "grad_norm", "lr", "loss_fp8", "loss_bf16", "fp8_loss_gap")
+"""Float fields of a per-step record, in storage order (``tokens`` is an integer). The last three
+come from the harm probe, at the steps it ran: the loss of the training forward (FP8), the same
+batch's loss with FP8 off (same weights, no grad), and ``(loss_fp8 - loss_bf16) / loss_bf16``."""
 
 NONFINITE_STRINGS: Final = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -89,6 +91,11 @@ class EventKind(StrEnum):
     ROLLBACK_APPLIED = "rollback_applied"
     COMMAND_ACKNOWLEDGED = "command_acknowledged"
     TELEMETRY_DROPPED = "telemetry_dropped"
+    HARM_ATTRIBUTED = "harm_attributed"
+    """The harm probe's gap left its band; ``data.modules`` carry it (bisection): ``gap`` before,
+    ``gap_after`` with them in high precision, ``band_high``."""
+    PROMOTION_TRIAL = "promotion_trial"
+    """Modules held in BF16 tried back in FP8 inside the probe: ``gap``, ``band_high``, ``harmful``."""
     NOTE = "note"
 
 

@@ -39,7 +39,7 @@ from fp8guard.service.queries.metrics import install_metrics
 from fp8guard.service.schemas import IngestBatchIn
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
-from fp8guard.service.web import web_router
+from fp8guard.service.web import install_page_errors, web_router
 
 __all__ = ["create_app"]
 
@@ -100,6 +100,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(loop_queries.router)
     app.include_router(token_routes.router)
     app.include_router(web_router())
+    install_page_errors(app)
     install_metrics(app, store, dependencies=read)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

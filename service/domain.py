@@ -104,6 +104,9 @@ class StepRow:
     grad_norm: float | None = None
     lr: float | None = None
     tokens: int | None = None
+    loss_fp8: float | None = None
+    loss_bf16: float | None = None
+    fp8_loss_gap: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,9 @@ class StepIn(BaseModel):
     grad_norm: float | None = None
     lr: float | None = None
     tokens: int | None = Field(default=None, ge=0)
+    loss_fp8: float | None = Field(default=None, description="harm probe: the training forward's loss")
+    loss_bf16: float | None = Field(default=None, description="harm probe: the same batch's loss with FP8 off")
+    fp8_loss_gap: float | None = Field(default=None, description="harm probe: (loss_fp8 - loss_bf16) / loss_bf16")
 
 
 class TensorStatsIn(BaseModel):
@@ -162,7 +165,8 @@ class IngestBatchIn(BaseModel):
     """One batch of telemetry from one rank (wire protocol v1)."""
 
     model_config = _strict
-    protocol: int = Field(description=f"wire protocol version; this service speaks {wire.PROTOCOL_VERSION}")
+    protocol: int = Field(description=f"wire protocol version; this service speaks {wire.PROTOCOL_VERSION}",
+                          json_schema_extra={"enum": [wire.PROTOCOL_VERSION]})
     batch_id: str = Field(pattern=wire.BATCH_ID_PATTERN, description="idempotency key; retries reuse it")
     run_id: str = Field(pattern=wire.RUN_ID_PATTERN)
     rank: int = Field(default=0, ge=0, lt=65536)
@@ -223,6 +227,16 @@ class IngestResultOut(BaseModel):
                     "event (data: CommandAckIn)")
 
 
+def _guard_schema(schema: dict[str, Any]) -> None:
+    """The OpenAPI of ``RunIn.guard`` names GuardConfig's fields and their bounds, so that the
+    keys and values the service refuses are refused by the schema too."""
+    from fp8guard.service.loop.config import GuardConfig
+
+    guard = GuardConfig.model_json_schema()
+    schema["properties"] = guard["properties"]
+    schema["additionalProperties"] = False
+
+
 class RunIn(BaseModel):
     model_config = _strict
     model: str | None = Field(default=None, max_length=256)
@@ -230,7 +244,8 @@ class RunIn(BaseModel):
     world_size: int = Field(default=1, ge=1, le=1_000_000)
     config: dict[str, Any] | None = Field(default=None, description="free-form training configuration")
     guard: dict[str, Any] | None = Field(default=None, description="detection thresholds and policy overrides "
-                                         "(GuardConfig fields, e.g. {'dry_run': true, 'skip_batches': 300})")
+                                         "(GuardConfig fields, e.g. {'dry_run': true, 'skip_batches': 300})",
+                                         json_schema_extra=lambda s: _guard_schema(s))
 
     @model_validator(mode="after")
     def _valid_text(self) -> RunIn:

@@ -24,7 +24,8 @@ def _sample() -> dict:
         segment=1,
         tensors=[{"index": i, "name": f"t{i}", "module": "m", "role": "fwd_input", "format": "e4m3"}
                  for i in range(4)],
-        steps=[{"step": 7, "time": 1.5, "loss": math.nan, "grad_norm": math.inf, "lr": -math.inf, "tokens": 9},
+        steps=[{"step": 7, "time": 1.5, "loss": math.nan, "grad_norm": math.inf, "lr": -math.inf, "tokens": 9,
+                "loss_fp8": 2.5, "loss_bf16": 2.4, "fp8_loss_gap": 0.1 / 2.4},
                {"step": 8, "loss": 2.0}],
         tensor_stats=[wire.tensor_stats_block(stats=["amax", "scale", "saturation"], steps=[7, 8], n_tensors=4,
                                               data=values.tobytes())],
@@ -43,6 +44,7 @@ def test_builder_output_is_valid_json_and_accepted() -> None:
     vals = batch.blocks[0].values
     assert vals.shape == (2, 3, 4) and math.isnan(vals[1, 0, 2]) and vals[0, 2, 1] == -np.inf
     assert batch.events[0].kind == "checkpoint_saved"
+    assert (batch.steps[0].loss_fp8, batch.steps[0].loss_bf16) == (2.5, 2.4) and batch.steps[1].fp8_loss_gap is None
 
 
 def test_field_sets_agree() -> None:
@@ -52,7 +54,7 @@ def test_field_sets_agree() -> None:
     assert set(payload["steps"][0]) == set(StepIn.model_fields)
     assert set(payload["tensor_stats"][0]) == set(TensorStatsIn.model_fields)
     assert set(payload["events"][0]) == set(EventIn.model_fields)
-    assert wire.STEP_FIELDS == ("loss", "grad_norm", "lr")
+    assert wire.STEP_FIELDS == ("loss", "grad_norm", "lr", "loss_fp8", "loss_bf16", "fp8_loss_gap")
     assert {k.value for k in wire.EventKind} == set(EventIn.model_json_schema()["$defs"]["EventKind"]["enum"])
 
 

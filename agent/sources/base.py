@@ -13,14 +13,15 @@ Rows of ``out`` (shape ``[len(STATS), n]``, one column per operand of this sourc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AMAX", "COUNT_STATS", "HISTORY_MAX", "SATURATION", "SCALE", "STATS", "Source", "SwitchableSource",
-           "TensorSpec"]
+__all__ = ["AMAX", "COUNT_STATS", "HISTORY_MAX", "SATURATION", "SCALE", "STATS", "ProbeableSource", "Source",
+           "SwitchableSource", "TensorSpec"]
 
 STATS: tuple[str, ...] = ("amax", "scale", "saturation", "amax_history_max")
 AMAX, SCALE, SATURATION, HISTORY_MAX = range(4)
@@ -92,4 +93,21 @@ class SwitchableSource(Protocol):
     def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
         """Switch the named modules (None: all of this source's) to FP8 (``enabled``) or to
         high precision; idempotent."""
+        ...
+
+
+@runtime_checkable
+class ProbeableSource(SwitchableSource, Protocol):
+    """What the harm probe (:mod:`fp8guard.agent.harm`) needs: a module's precision in training,
+    and a temporary one for a no-grad probe forward that leaves no trace."""
+
+    def precision(self) -> dict[str, bool]:
+        """Each switchable module of this source: True while it computes in FP8 in training."""
+        ...
+
+    def probe(self, fp8: Mapping[str, bool]) -> AbstractContextManager[None]:
+        """For the forwards inside: the named modules in FP8 (True) or high precision (False),
+        the others as in training. On exit every module's precision, its FP8 state (amax
+        histories, scales, counts) and this source's own telemetry are as they were: the probe
+        changes nothing that training or the next ``read`` sees. Host work only, no sync."""
         ...

@@ -6,7 +6,8 @@ the one the update just consumed (row -1 of the history after the roll, as in TE
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -96,6 +97,27 @@ class EmulationSource:
         out.copy_(counts.t())  # counts: [n, 2] int64 (overflow, underflow)
         for _, m in self._modules:
             m.reset_counts()
+
+    def precision(self) -> dict[str, bool]:
+        return {name: bool(m.fp8_enabled) for name, m in self._modules}
+
+    @contextmanager
+    def probe(self, fp8: Mapping[str, bool]) -> Iterator[None]:
+        """A probe forward max-accumulates into row 0 of the amax histories and counts: both are
+        put back (device copies of a few small buffers per module) with the flags."""
+        saved = [(m, m.fp8_enabled, {k: b.clone() for k, b in m.named_buffers(recurse=False)})
+                 for _, m in self._modules]
+        try:
+            for name, m in self._modules:
+                if name in fp8:
+                    m.fp8_enabled = fp8[name]
+            yield
+        finally:
+            with torch.no_grad():
+                for m, enabled, buffers in saved:
+                    m.fp8_enabled = enabled
+                    for k, b in m.named_buffers(recurse=False):
+                        b.copy_(buffers[k])
 
     def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
         """BF16 fallback (enabled=False) or re-promotion with a fresh amax history and scale."""

@@ -61,7 +61,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -775,24 +776,57 @@ class TESource:
         for name, module in self._switchable:
             if wanted is not None and not any(w == name or w.startswith(name + ".") for w in wanted):
                 continue
-            wrapped = "_fp8guard_forward" in module.__dict__
-            if not enabled and not wrapped:
-                original = module.forward
-                autocast = self._te.autocast
-
-                def forward(*args: Any, _original: Any = original, _autocast: Any = autocast, **kwargs: Any) -> Any:
-                    with _autocast(enabled=False):
-                        return _original(*args, **kwargs)
-
-                module.__dict__["_fp8guard_forward"] = original
-                module.__dict__["forward"] = forward
-            elif enabled and wrapped:
-                del module.__dict__["forward"]
-                del module.__dict__["_fp8guard_forward"]
-                reset = getattr(module, "reset_fp8_meta_tensors", None)
-                if callable(reset):
-                    reset()
+            self._switch(module, enabled, reset=True)
         self._update_fp8_mask()
+
+    def _switch(self, module: nn.Module, enabled: bool, *, reset: bool) -> None:
+        wrapped = "_fp8guard_forward" in module.__dict__
+        if not enabled and not wrapped:
+            original = module.forward
+            autocast = self._te.autocast
+
+            def forward(*args: Any, _original: Any = original, _autocast: Any = autocast, **kwargs: Any) -> Any:
+                with _autocast(enabled=False):
+                    return _original(*args, **kwargs)
+
+            module.__dict__["_fp8guard_forward"] = original
+            module.__dict__["forward"] = forward
+        elif enabled and wrapped:
+            del module.__dict__["forward"]
+            del module.__dict__["_fp8guard_forward"]
+            reset_meta = getattr(module, "reset_fp8_meta_tensors", None)
+            if reset and callable(reset_meta):
+                reset_meta()
+
+    def precision(self) -> dict[str, bool]:
+        return {name: "_fp8guard_forward" not in m.__dict__ for name, m in self._switchable}
+
+    @contextmanager
+    def probe(self, fp8: Mapping[str, bool]) -> Iterator[None]:
+        """Probe forwards run under ``no_grad`` (this source's hooks skip them). Under delayed
+        scaling the autocast a probe forward enters updates TE's amax histories and scales when it
+        exits: they are cloned before and copied back after (a few device copies, no sync).
+        Counting is disarmed meanwhile, and no module's FP8 state is reset by the switching."""
+        saved = [(h, h.clone()) for pair in zip(*self._live_state(), strict=True) for h in pair] \
+            if self._entries else []
+        mask, armed = self._fp8_mask, (self._inspect.armed if self._inspect is not None else None)
+        before = self.precision()
+        if self._inspect is not None:
+            self._inspect.armed = False
+        try:
+            for name, module in self._switchable:
+                if name in fp8:
+                    self._switch(module, fp8[name], reset=False)
+            yield
+        finally:
+            for name, module in self._switchable:
+                self._switch(module, before[name], reset=False)
+            with torch.no_grad():
+                for live, copy in saved:
+                    live.copy_(copy)
+            self._fp8_mask = mask
+            if self._inspect is not None and armed is not None:
+                self._inspect.armed = armed
 
     def _update_fp8_mask(self) -> None:
         in_bf16 = {id(m) for _, m in self._switchable if "_fp8guard_forward" in m.__dict__}

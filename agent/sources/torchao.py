@@ -21,7 +21,8 @@ switches modules through :class:`TorchaoSwitch` without knowing torchao.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -136,6 +137,22 @@ class TorchaoSwitch:
     def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
         set_fp8(self._modules, modules, enabled)
 
+    def precision(self) -> dict[str, bool]:
+        return {name: in_fp8(m) for name, m in self._modules}
+
+    @contextmanager
+    def probe(self, fp8: Mapping[str, bool]) -> Iterator[None]:
+        """torchao scales dynamically: switching the GEMM is all there is (no state to keep)."""
+        before = self.precision()
+        try:
+            for name, m in self._modules:
+                if name in fp8:
+                    set_fp8([(name, m)], None, fp8[name])
+            yield
+        finally:
+            for name, m in self._modules:
+                set_fp8([(name, m)], None, before[name])
+
 
 class TorchaoSource(TorchaoSwitch):
     def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
@@ -151,6 +168,8 @@ class TorchaoSource(TorchaoSwitch):
         """True per column in FP8, False where the module is in BF16 (None: all in FP8)."""
         self._mask_at = _switches
         self._counting = False
+        self._paused = False
+        """True during a harm probe's forwards: they are not this step's telemetry."""
         self._handles: list[Any] = []
         for k, (_, module) in enumerate(self._modules):
             self._handles.append(module.register_forward_pre_hook(self._forward_hook(3 * k)))
@@ -173,7 +192,7 @@ class TorchaoSource(TorchaoSwitch):
 
     def _forward_hook(self, base: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if module.__dict__.get(_BF16, False):
+            if self._paused or module.__dict__.get(_BF16, False):
                 return
             x = args[0]
             # Float8Linear.forward: `if torch.is_autocast_enabled(): input = input.to(<cuda dtype>)`
@@ -188,13 +207,22 @@ class TorchaoSource(TorchaoSwitch):
                 self._observe(slot, grad_output[0])
         return hook
 
+    @contextmanager
+    def probe(self, fp8: Mapping[str, bool]) -> Iterator[None]:
+        self._paused = True
+        try:
+            with super().probe(fp8):
+                yield
+        finally:
+            self._paused = False
+
     def read(self, out: torch.Tensor) -> None:
         amax = self._amax
         scale = torchao_scale(amax, self._fp8_max, self._pow2_mask)
-        if self._mask_at != _switches:  # a host-to-device copy after a switch only, never per step
+        if self._mask_at != _switches:  # after a switch only, never per step
             self._mask_at = _switches
             on = [in_fp8(m) for _, m in self._modules for _ in _ROLES]
-            self._fp8_mask = None if all(on) else torch.tensor(on, device=amax.device)
+            self._fp8_mask = None if all(on) else _to_device(torch.tensor(on), amax.device)
         if self._fp8_mask is not None:  # a module in BF16 measured nothing: amax 0, scale 1
             scale = torch.where(self._fp8_mask, scale, self._ones)
         out[AMAX].copy_(amax)
@@ -217,6 +245,14 @@ class TorchaoSource(TorchaoSwitch):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous copy from pinned memory: a pageable one would sync the stream inside
+    ``monitor.step`` (the pinned allocator keeps the buffer until the copy is done)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _chunks(items: list[Fp8Format]) -> list[list[Fp8Format]]:

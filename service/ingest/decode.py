@@ -70,7 +70,7 @@ def decode_batch(batch: IngestBatchIn, limits: EventLimits | None = None) -> Bat
         segment=batch.segment,
         tensors=[TensorInfo(index=t.index, name=t.name, module=t.module, role=t.role, fp8_format=t.format,
                             first_step=0) for t in batch.tensors],
-        steps=[StepRow(step=s.step, time=s.time, loss=s.loss, grad_norm=s.grad_norm, lr=s.lr, tokens=s.tokens)
+        steps=[StepRow(step=s.step, time=s.time, tokens=s.tokens, **{f: getattr(s, f) for f in wire.STEP_FIELDS})
                for s in batch.steps],
         blocks=blocks,
         events=[EventRecord(kind=str(e.kind), step=e.step, time=e.time, rank=batch.rank, segment=batch.segment,

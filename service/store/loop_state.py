@@ -120,13 +120,14 @@ class LoopTxn:
         process that judges it is not the one that received it, or after a restart)."""
         st = SqlStep
         steps = []
-        for row in self.conn.execute(sa.select(st.step, st.time, st.loss, st.grad_norm, st.lr, st.tokens, st.nan_mask)
+        fields = [getattr(st, name) for name in STEP_FIELDS]
+        for row in self.conn.execute(sa.select(st.step, st.time, st.tokens, st.nan_mask, *fields)
                                    .where(st.run_pk == self.run_pk, st.rank == q.rank, st.segment == q.segment,
                                           st.step.between(q.first_step, q.last_step)).order_by(st.step)):
             vals = [math.nan if int(row.nan_mask) & (1 << bit) else getattr(row, name)
                     for bit, name in enumerate(STEP_FIELDS)]
-            steps.append(StepRow(step=int(row.step), time=row.time, loss=vals[0], grad_norm=vals[1], lr=vals[2],
-                                 tokens=row.tokens))
+            steps.append(StepRow(step=int(row.step), time=row.time, tokens=row.tokens,
+                                 **dict(zip(STEP_FIELDS, vals, strict=True))))
         ts = SqlTensorSeries
         rows = self.conn.execute(
             sa.select(SqlStat.name, ts.block, ts.data).join(SqlStat, SqlStat.id == ts.stat_id)

@@ -189,8 +189,14 @@ class SqlStep(Base):
     grad_norm: Mapped[float | None] = mapped_column(Float)
     lr: Mapped[float | None] = mapped_column(Float)
     tokens: Mapped[int | None] = mapped_column(BigInteger)
+    loss_fp8: Mapped[float | None] = mapped_column(Float)
+    """Harm probe (migration 0005): at the steps it ran, the training forward's loss ..."""
+    loss_bf16: Mapped[float | None] = mapped_column(Float)
+    """... the same batch's loss with FP8 off ..."""
+    fp8_loss_gap: Mapped[float | None] = mapped_column(Float)
+    """... and ``(loss_fp8 - loss_bf16) / loss_bf16``."""
     nan_mask: Mapped[int] = mapped_column(SmallInteger, default=0)
-    """Bit i set: ``wire.STEP_FIELDS[i]`` (loss, grad_norm, lr) was NaN."""
+    """Bit i set: ``wire.STEP_FIELDS[i]`` (loss, grad_norm, lr, loss_fp8, loss_bf16, fp8_loss_gap) was NaN."""
 
 
 class SqlTensorSeries(Base):

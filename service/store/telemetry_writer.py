@@ -289,7 +289,7 @@ def _stat_ids(conn: sa.Connection, run_pk: int, names: Iterable[str], cache: Cac
     return ids
 
 
-_STEP_COLUMNS = ("run_pk", "rank", "segment", "step", "time", "loss", "grad_norm", "lr", "tokens", "nan_mask")
+_STEP_COLUMNS = ("run_pk", "rank", "segment", "step", "time", *STEP_FIELDS, "tokens", "nan_mask")
 
 
 def _step_row(run_pk: int, batch: Batch, rec: StepRow) -> tuple[Any, ...]:
@@ -311,7 +311,7 @@ def _write_steps(conn: sa.Connection, run_pk: int, batch: Batch, *, overlap: boo
         raw = conn.connection.driver_connection
         assert raw is not None
         with raw.cursor() as cur, cur.copy(f"COPY steps ({', '.join(_STEP_COLUMNS)}) FROM STDIN (FORMAT BINARY)") as cp:
-            cp.set_types(["int4", "int4", "int4", "int8", "float8", "float8", "float8", "float8", "int8", "int2"])
+            cp.set_types(["int4", "int4", "int4", "int8", "float8", *["float8"] * len(STEP_FIELDS), "int8", "int2"])
             for rec in batch.steps:
                 cp.write_row(_step_row(run_pk, batch, rec))
         return
