@@ -5,6 +5,8 @@
 #   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
+#   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
+#   bash bench/gpu_suite.sh torchao-tests  # the torchao source's CPU tests against the installed torchao
 # Several names run in order. Logs and JSON results go to $OUT (two files per part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +51,23 @@ for what in "$@"; do
       fi ;;
     counts-time)
       part counts_time 240 python3 bench/gpu_counts.py time --out "$OUT" ;;
+    torchao|torchao-tests)
+      # The GPU image has no torchao: the wheel is carried in .whl/ (--no-deps: it needs only torch).
+      if ! python3 -c "import torchao.float8" 2>/dev/null; then
+        if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+          python3 -m pip install -q --no-index --no-deps .whl/torchao-*.whl 2>&1 | tail -2
+        else
+          echo "no torchao and no .whl/torchao-*.whl: the torchao part will skip" >&2
+        fi
+      fi
+      if [ "$what" = torchao ]; then
+        # about 2.5 min: the bench paces its timing rounds to --budget-s (150 s) and writes
+        # gpu_torchao.json after each recipe, and on SIGTERM from this timeout
+        part torchao 220 python3 bench/gpu_torchao.py --out "$OUT"
+      else
+        part torchao_tests 150 python3 -m pytest -q -p no:cacheprovider tests/agent/test_torchao_source.py \
+          tests/agent/test_remediation.py -k "torchao or fallback or promote"
+      fi ;;
     te-tests)
       part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source.py -x ;;
     *) echo "unknown part $what" >&2; exit 2 ;;

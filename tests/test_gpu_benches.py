@@ -25,10 +25,34 @@ def _run(*args: str, timeout: int = 600) -> dict:  # type: ignore[type-arg]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benches would run for real")
 @pytest.mark.parametrize("script", [["bench/gpu_counts.py", "verify"], ["bench/gpu_counts.py", "time"],
-                                    ["bench/gpu_overhead.py"], ["bench/gpu_heal.py"], ["bench/gpu_dist.py"]])
+                                    ["bench/gpu_overhead.py"], ["bench/gpu_heal.py"], ["bench/gpu_dist.py"],
+                                    ["bench/gpu_torchao.py"]])
 def test_gpu_benches_skip_cleanly_without_a_gpu(script: list[str]) -> None:
     line = _run(*script, timeout=120)
     assert "skipped" in line and "GPU" in line["skipped"]
+
+
+@pytest.mark.slow
+def test_torchao_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
+    """bench/gpu_torchao.py's code paths with torchao's emulated FP8: the source's values equal
+    torchao's own bit for bit, the timing loop runs every mode, and a Float8Linear falls back to
+    BF16 (no torchao cast, the plain GEMM) and is promoted again through the real Remediator."""
+    pytest.importorskip("torchao.float8")
+    summary = _run("bench/gpu_torchao.py", "--cpu-smoke", "--out", str(tmp_path), timeout=300)
+    full = json.loads((tmp_path / "gpu_torchao.json").read_text())
+    for recipe in ("tensorwise", "rowwise"):
+        assert summary[recipe]["values_exact"] is True, full["recipes"][recipe]["values"]
+        assert summary[recipe]["heal_ok"] is True, full["recipes"][recipe]["heal"]
+        assert summary[recipe]["overhead_error"] is None, full["recipes"][recipe]["overhead"]
+        values = full["recipes"][recipe]["values"]
+        assert values["compared"] == values["columns"] * values["steps"] > 0
+        heal = full["recipes"][recipe]["heal"]
+        assert [o["status"] for o in heal["outcomes"]] == ["applied", "applied"]
+        phases = [(r["phase"], r["target_casts"] > 0, r["output_equals_plain_linear"]) for r in heal["steps"]]
+        assert {p for p in phases if p[0] == "bf16"} == {("bf16", False, True)}
+        assert {p for p in phases if p[0] != "bf16"} == {("fp8", True, False), ("fp8_again", True, False)}
+        assert set(full["recipes"][recipe]["overhead"]["ms_per_step"]) == {
+            "plain", "monitor", "plain_clip", "monitor_clip"}
 
 
 @pytest.mark.slow
