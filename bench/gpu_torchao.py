@@ -74,7 +74,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=8, help="overhead rounds (one block of each mode per round)")
+    p.add_argument("--rounds", type=int, default=12, help="overhead rounds (one block of each mode per round)")
     p.add_argument("--block", type=int, default=10, help="steps per block")
     p.add_argument("--warmup", type=int, default=5, help="steps of each mode before timing")
     p.add_argument("--value-steps", type=int, default=3)
