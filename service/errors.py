@@ -21,10 +21,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 __all__ = [
     "BadEncoding",
@@ -117,6 +120,26 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": exc.to_detail()}, status_code=exc.status_code, headers=headers)
 
     app.add_exception_handler(ServiceError, handle)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """FastAPI's own 400 and 405, made to say what the OpenAPI says: a body that is not even
+        JSON text (undecodable bytes) is a 422 like any other invalid body, not a bare 400; a 405
+        lists in ``Allow`` every method the OpenAPI has for the path (Starlette listed those of
+        one route, and ``/v1/runs/{run_id}`` is two, GET and PUT). Keyed by status code, so the
+        pages' 404 handler and this one never replace each other."""
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            return JSONResponse({"detail": [{"loc": ["body"], "msg": "the body is not JSON text (undecodable bytes)",
+                                             "type": "json_invalid"}]}, status_code=422)
+        if exc.status_code == 405:
+            path = request.url.path
+            methods = sorted({m.upper() for template, ops in request.app.openapi().get("paths", {}).items()
+                              if compile_path(template)[0].match(path) for m in ops})
+            return JSONResponse({"detail": exc.detail}, status_code=405, headers={"Allow": ", ".join(methods)})
+        return await http_exception_handler(request, exc)
+
+    app.add_exception_handler(400, http_error)
+    app.add_exception_handler(405, http_error)
 
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         # FastAPI's own 422 body, less the echoed "input": it may be megabytes, or text that is

@@ -45,6 +45,7 @@ _BODY_DOC = {
         "400": {"description": "Undecodable body (bad gzip, unsupported Content-Encoding)"},
         "404": {"description": "Run not registered"},
         "409": {"description": "Tensor table conflict"},
+        "422": {"description": "A batch that parses but is invalid; `loc` names the field"},
         "503": {"description": "Database unavailable; retry with the same batch_id"},
     },
 }

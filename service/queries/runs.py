@@ -8,11 +8,11 @@ from typing import Annotated, Literal
 import numpy as np
 import pybase64
 from fastapi import APIRouter, Path, Query, Response
+from pydantic import StringConstraints
 
 from fp8guard import wire
 from fp8guard.service.deps import SettingsDep, StoreDep
 from fp8guard.service.domain import RunDetail, RunSummary, TensorInfo
-from fp8guard.service.errors import InvalidPayload
 from fp8guard.service.schemas import (
     MAX_STEP,
     EventOut,
@@ -28,7 +28,8 @@ from fp8guard.service.store import Window
 
 __all__ = ["RunId", "router", "run_out"]
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+router = APIRouter(prefix="/v1/runs", tags=["runs"],
+                   responses={404: {"description": "Unknown run, tensor or stat"}})
 
 RunId = Annotated[str, Path(pattern=wire.RUN_ID_PATTERN, description="the run's client-chosen id")]
 Rank = Annotated[int, Query(ge=0, lt=65536, description="which rank's data")]
@@ -36,17 +37,19 @@ Rank = Annotated[int, Query(ge=0, lt=65536, description="which rank's data")]
 # the databases' 64-bit integers (SQLite raised OverflowError, a 500, past them).
 Start = Annotated[int | None, Query(ge=0, lt=MAX_STEP, description="first step (default: the run's first)")]
 End = Annotated[int | None, Query(ge=0, lt=MAX_STEP, description="last step, inclusive (default: the run's last)")]
-Width = Annotated[int, Query(ge=1, description="at most this many points; extremes are kept per bucket")]
+Width = Annotated[int, Query(ge=1, description="at most this many points (and at most the service's max_width); "
+                                              "extremes are kept per bucket")]
+_SCALARS = (*wire.STEP_FIELDS, "tokens", "time")
+_SCALAR_LIST = rf"^(({'|'.join(_SCALARS)})(,({'|'.join(_SCALARS)}))*)?$"
 Segment = Annotated[int | None, Query(ge=0, lt=2**31, description="one segment only (default: the effective timeline)")]
 
 
 def _window(settings_max: int, rank: int, start: int | None, end: int | None, width: int,
             segment: int | None) -> Window:
-    if width > settings_max:
-        raise InvalidPayload(f"width {width} exceeds the maximum of {settings_max}", loc=("query", "width"))
-    if start is not None and end is not None and end < start:
-        raise InvalidPayload(f"end ({end}) is before start ({start})", loc=("query", "end"))
-    return Window(rank=rank, start=start, end=end, width=width, segment=segment)
+    """A width past the service's ``max_width`` gets that many columns (``bucket`` in the answer
+    says how coarse), and ``end`` before ``start`` is an empty range, answered with no points:
+    both are requests the OpenAPI allows, so they are answered, not refused."""
+    return Window(rank=rank, start=start, end=end, width=min(width, settings_max), segment=segment)
 
 
 def run_out(run: RunSummary) -> RunOut:
@@ -93,7 +96,8 @@ def list_tensors(run_id: RunId, store: StoreDep) -> list[TensorOut]:
 @router.get("/{run_id}/scalars", response_model=ScalarSeriesOut, summary="Per-step scalars, downsampled")
 def scalars(
     run_id: RunId, store: StoreDep, settings: SettingsDep,
-    fields: Annotated[list[str], Query(description="loss, grad_norm, lr, tokens, time (repeat or comma-separate)")]
+    fields: Annotated[list[Annotated[str, StringConstraints(pattern=_SCALAR_LIST)]],
+                      Query(description=f"{', '.join(_SCALARS)} (repeat or comma-separate)")]
     = ["loss", "grad_norm", "lr"],  # noqa: B006 - FastAPI copies defaults
     rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
 ) -> ScalarSeriesOut:
