@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from fp8guard.service.settings import AuthMode
     from fp8guard.service.store import Store
 
 __all__ = ["app", "main"]
@@ -71,7 +72,7 @@ def _one_line(exc: BaseException) -> str | None:
     return None
 
 
-def _auth_mode(explicit: str | None, host: str, insecure: bool) -> str:
+def _auth_mode(explicit: str | None, host: str, insecure: bool) -> AuthMode:
     """``FP8GUARD_AUTH``/``--auth`` if given, else required beyond loopback and off on it; off
     beyond loopback only with ``--insecure``."""
     from fp8guard.service.settings import AuthMode, is_loopback
@@ -84,7 +85,7 @@ def _auth_mode(explicit: str | None, host: str, insecure: bool) -> str:
         raise _fail(f"refusing to serve on {host} without authentication: anyone who reaches the port could "
                     "steer your runs. Create tokens (fp8guard token create) and drop FP8GUARD_AUTH=off, "
                     "or pass --insecure")
-    return mode.value
+    return mode
 
 
 @app.command()
@@ -118,7 +119,7 @@ def serve(
         service = create_app(settings)
     except SchemaNotAtHead as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"fp8guard serving on http://{host}:{port} (database: {settings.database_url}, auth: {mode})",
+    typer.echo(f"fp8guard serving on http://{host}:{port} (database: {settings.database_url}, auth: {mode.value})",
                err=True)
     if mode == "required" and not service.state.store.tokens():
         typer.echo("no tokens yet: create one with  fp8guard token create --role admin --name you "

@@ -41,9 +41,13 @@ class Rule(StrEnum):
     """A steady multiplicative climb of a tensor's amax: alert only."""
     STALE_SCALE = "stale_scale"
     UNDERFLOW_GROWTH = "underflow_growth"
+    FP8_HARM = "fp8_harm"
+    """Measured, not inferred: the agent's harm probe found FP8 raising the loss on the run's own
+    batch beyond its band and named the modules (or a trial found modules held in BF16 harmful)."""
 
 
-FP8_RULES: frozenset[Rule] = frozenset({Rule.SATURATION, Rule.AMAX_GROWTH, Rule.INF_AMAX, Rule.STALE_SCALE})
+FP8_RULES: frozenset[Rule] = frozenset({Rule.SATURATION, Rule.AMAX_GROWTH, Rule.INF_AMAX, Rule.STALE_SCALE,
+                                         Rule.FP8_HARM})
 """FP8 numerics that implicate modules: the evidence a BF16 fallback needs, and what delays a
 module's re-promotion."""
 ROLLBACK_RULES: frozenset[Rule] = frozenset({Rule.LOSS_SPIKE, Rule.NONFINITE, Rule.LOSS_DIVERGENCE,

@@ -96,6 +96,11 @@ class GuardConfig(BaseModel):
     """Extra batches skipped after the bad window on rollback (PaLM skipped 200-500)."""
     rollback_lr_scale: float = Field(default=1.0, gt=0, le=1)
     rollback_lr_steps: int = Field(default=0, ge=0)
+    require_measured_harm: bool = True
+    """Once the run's agent probes FP8 harm (``monitor.step(loss, loss_fn=...)``), fall back only
+    on measured harm or broken numerics (infinite amax, saturation beyond 16x its bound); FP8
+    anomalies the probe finds harmless are alerts. On the H200 a fallback on numerics alone cost
+    more than the outlier it cured (docs/gpu.md). Runs without the probe decide on numerics alone."""
     promote_after_steps: int = Field(default=500, ge=1)
     """Clean steps in BF16 before a fallen-back module is re-promoted (with fresh FP8 state)."""
     escalate_rollbacks: int = Field(default=3, ge=1)

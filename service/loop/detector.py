@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from fp8guard.service.domain import Finding, StatBlock, StepRow
+from fp8guard.service.domain import EventRecord, Finding, StatBlock, StepRow
 from fp8guard.service.kinds import Rule, Severity
 from fp8guard.service.loop import rules
 from fp8guard.service.loop.config import GuardConfig
+from fp8guard.service.loop.harm import HarmLedger
 
 __all__ = ["FP8_MAX", "Detector", "TensorMeta"]
 
@@ -73,20 +74,23 @@ class Detector:
                                      for t in self.tensors], dtype=np.float64)
         self._seen_steps = np.zeros((0, n), dtype=np.int64)
         self.fp8_max = np.array([t.fp8_max if t.fp8_max else np.nan for t in self.tensors], dtype=np.float32)
+        self.harm = HarmLedger(s.get("harm"))
+        """What the agent's harm probe measured (``service/loop/harm.py``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able; per-tensor arrays as base64 (a 1,000-tensor state as number lists cost
         milliseconds of JSON per batch)."""
         return {
             "loss_hist": self.loss_hist, "grad_hist": self.grad_hist, "last_fired": self.last_fired,
-            "early": self.early, **{name: _pack(getattr(self, name)) for name in _ARRAYS},
+            "early": self.early, "harm": self.harm.state_dict(), **{name: _pack(getattr(self, name)) for name in _ARRAYS},
         }
 
     # -- feeding ------------------------------------------------------------------------------
 
-    def observe(self, steps: Sequence[StepRow], blocks: Sequence[StatBlock]) -> list[Finding]:
+    def observe(self, steps: Sequence[StepRow], blocks: Sequence[StatBlock],
+                events: Sequence[EventRecord] = ()) -> list[Finding]:
         """Run every rule over the batch's steps in order; return what fired, in step order."""
-        findings: list[Finding] = []
+        findings: list[Finding] = self.harm.observe(steps, events)
         for row in sorted(steps, key=lambda r: r.step):
             findings += self._scalars(row.step, row)
         n = len(self.tensors)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from fp8guard.service.domain import Batch, Decision, Finding, QueuedBatch
 from fp8guard.service.kinds import ROLLBACK_RULES, ActionKind, ActionStatus, Precision, Rule
 from fp8guard.service.loop.config import GuardConfig
 from fp8guard.service.loop.detector import FP8_MAX, Detector, TensorMeta
-from fp8guard.service.loop.policy import RunView, decide, promotions
+from fp8guard.service.loop.policy import RunView, decide, promotion_wait, promotions
 from fp8guard.service.store.loop_state import LoopTxn, TensorRow
 
 __all__ = ["Judge", "PassResult", "tensor_metas"]
@@ -82,16 +82,16 @@ class Judge:
             detector = detectors.get(q.rank)
             if detector is None:
                 detector = detectors[q.rank] = Detector(cfg, metas, states.get(q.rank))
-            findings = detector.observe(batch.steps, batch.blocks)
+            findings = detector.observe(batch.steps, batch.blocks, batch.events)
             last_step[q.rank] = max(last_step.get(q.rank, q.last_step), q.last_step)
             finding_ids = txn.add_findings(q.rank, q.segment, findings)
             if findings or remediating:
                 # Decide step by step, as if every step had come alone: the same decisions at the
                 # same steps whatever the batching (findings of a step, then promotions falling due).
-                for at in _decision_points(txn, q, findings, metas, cfg, remediating):
+                for at in _decision_points(txn, q, findings, metas, cfg, remediating, detectors.values()):
                     unconfirmed = self._confirm_checkpoints(txn, unconfirmed, at, cfg)
                     group = [i for i, f in enumerate(findings) if f.step == at]
-                    view = _view(txn, at, metas)
+                    view = _view(txn, at, metas, detectors.values())
                     stored: list[tuple[int, Decision, int]] = []
                     for d in decide([findings[i] for i in group], view, cfg) + promotions(view, cfg):
                         status = _status(d, cfg)
@@ -159,14 +159,17 @@ def _status(d: Decision, cfg: GuardConfig) -> ActionStatus:
 _ROLLBACK_RULES = [str(r) for r in Rule if r in ROLLBACK_RULES or r is Rule.GRAD_NORM_SPIKE]
 
 
-def _view(txn: LoopTxn, step: int, metas: Sequence[TensorMeta]) -> RunView:
+def _view(txn: LoopTxn, step: int, metas: Sequence[TensorMeta], detectors: Iterable[Detector] = ()) -> RunView:
     v = txn.view_inputs(_ROLLBACK_RULES)
     bf16 = {m: since for m, (p, since) in v.precision.items() if p is not Precision.FP8}
+    ledgers = [d.harm for d in detectors]  # what the harm probe reported, as of this step
     return RunView(step=step, modules=sorted({m.module for m in metas}), bf16=bf16,
                    rollback_pending=v.rollback_pending, known_good=v.known_good,
                    recent_rollbacks=v.recent_rollbacks, last_finding_step=v.last_fp8_finding, pinned=v.pinned,
                    pending=v.pending_modules, whole_model_pending=v.whole_model_pending, checkpoints=v.checkpoints,
-                   last_loss_event=_before(v.last_loss_event, step), last_page=v.last_page)
+                   last_loss_event=_before(v.last_loss_event, step), last_page=v.last_page,
+                   harm_probed=any(h.probed_at(step) for h in ledgers),
+                   trials=tuple(t for h in ledgers for t in h.trials_at(step)))
 
 
 def _before(event: int | None, step: int) -> int | None:
@@ -174,13 +177,16 @@ def _before(event: int | None, step: int) -> int | None:
 
 
 def _decision_points(txn: LoopTxn, q: QueuedBatch, findings: Sequence[Finding], metas: Sequence[TensorMeta],
-                     cfg: GuardConfig, remediating: bool) -> list[int]:
+                     cfg: GuardConfig, remediating: bool, detectors: Iterable[Detector] = ()) -> list[int]:
     """The steps of a batch at which the policy is asked: each step with findings, and (while
-    modules are off FP8) the steps at which a re-promotion falls due, else the batch's last."""
+    modules are off FP8) the steps at which a re-promotion falls due or a promotion trial was
+    reported, else the batch's last."""
     points = {f.step for f in findings}
     if remediating:
-        view = _view(txn, q.first_step, metas)
-        due = {max(since, view.last_finding_step.get(m, since)) + cfg.promote_after_steps
+        ledgers = list(detectors)
+        view = _view(txn, q.last_step, metas, ledgers)
+        due = {max(since, view.last_finding_step.get(m, since)) + promotion_wait(view, m, cfg)
                for m, since in view.bf16.items() if m not in view.pinned and m not in view.pending}
+        due |= {t.step for t in view.trials}
         points |= {d for d in due if q.first_step <= d <= q.last_step} or {q.last_step}
     return sorted(points)

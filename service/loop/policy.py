@@ -17,6 +17,13 @@ follow a loss or gradient event are its after-effects, not its cause.
 - ``escalate_rollbacks`` rollbacks within ``escalate_window_steps``: a page, and whole-model BF16
   only when FP8 findings are part of the trouble (else BF16 would cure nothing).
 - Modules in BF16 for ``promote_after_steps`` clean steps: re-promotion with fresh FP8 state.
+
+Measured harm (``service/loop/harm.py``): once the run's agent probes what FP8 costs the loss,
+a fallback needs measured harm (an ``fp8_harm`` finding naming the modules) or broken numerics
+(an infinite amax, saturation beyond 16x its bound); an FP8 anomaly the probe finds harmless is
+an alert and the modules stay in FP8. Harm still measured on modules already in BF16 escalates to
+a rollback. Re-promotion then waits for a trial (the modules back in FP8 inside the probe) that
+finds no harm, and each harmful trial doubles the module's wait.
 - Underflow growth, one-step saturation spikes, amax ramps, warnings without modules: alerts.
 """
 
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 from fp8guard.service.domain import Decision, Finding
 from fp8guard.service.kinds import DIVERGENCE_RULES, FP8_RULES, ROLLBACK_RULES, ActionKind, Rule, Severity
 from fp8guard.service.loop.config import GuardConfig
+from fp8guard.service.loop.harm import TrialRecord
 
 __all__ = ["FOR_GOOD", "RunView", "decide", "is_rollback_finding", "promotions"]
 
@@ -61,6 +69,10 @@ class RunView:
     """Onset step of the latest loss or gradient finding (a rollback's cause) before this decision."""
     last_page: int | None = None
     """Step of the latest page: one page per incident, whatever the number of ranks reporting it."""
+    harm_probed: bool = False
+    """The run's agent measures FP8 harm (it reported a probe at or before this step)."""
+    trials: Sequence[TrialRecord] = ()
+    """Promotion trials reported up to this step, oldest first."""
 
     def off_fp8(self, module: str) -> bool:
         """In BF16, or on its way there: a fallback would order nothing new."""
@@ -85,12 +97,25 @@ def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list
         if _after_effect(findings[i], view, cause, cfg):
             after.append(i)
     numerics = [i for i in numerics if i not in after]
+    evidence = bool(numerics)
+    harmless: list[int] = []
+    if view.harm_probed and cfg.require_measured_harm:
+        harmless = [i for i in numerics if findings[i].rule is not Rule.FP8_HARM and not _broken(findings[i])]
+        numerics = [i for i in numerics if i not in harmless]
+    stubborn = [i for i in numerics if findings[i].rule is Rule.FP8_HARM and findings[i].severity is Severity.CRITICAL
+                and all(view.off_fp8(m) for m in findings[i].modules)]
     if rollback and not view.rollback_pending:
-        out += _rollback(findings, rollback, view, cfg, fp8_evidence=bool(numerics))
+        out += _rollback(findings, rollback, view, cfg, fp8_evidence=evidence)
+    elif stubborn and not view.rollback_pending:
+        out += _rollback(findings, stubborn, view, cfg, fp8_evidence=True)
     if numerics:
         out += _fallback(findings, numerics, view, cfg, already=out)
     for i, f in enumerate(findings):
-        if i in after:
+        if i in harmless:
+            out.append(Decision(kind=ActionKind.ALERT, rule=f.rule, findings=(i,), severity=f.severity, reason=(
+                f"{f.explanation} The run measures what FP8 costs its loss and has measured no harm from this: FP8 "
+                "stays on (a fallback needs measured harm or broken numerics).")))
+        elif i in after:
             event = cause if cause is not None and f.onset_step > cause else view.last_loss_event
             out.append(Decision(kind=ActionKind.ALERT, rule=f.rule, findings=(i,), severity=f.severity, reason=(
                 f"{f.explanation} It began after the loss/gradient event of step {event}: an after-effect, so no "
@@ -99,6 +124,12 @@ def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list
             out.append(Decision(kind=ActionKind.ALERT, reason=f.explanation, rule=f.rule, findings=(i,),
                                 severity=f.severity))
     return out
+
+
+def _broken(f: Finding) -> bool:
+    """Numerics that are wrong whatever the loss says: an infinite amax, or saturation beyond
+    16x its bound (the detector's critical saturation)."""
+    return f.rule is Rule.INF_AMAX or (f.rule is Rule.SATURATION and f.severity is Severity.CRITICAL)
 
 
 def _after_effect(f: Finding, view: RunView, cause: int | None, cfg: GuardConfig) -> bool:
@@ -203,9 +234,25 @@ def promotions(view: RunView, cfg: GuardConfig) -> list[Decision]:
         return []
     ready = sorted(m for m, since in view.bf16.items()
                    if m not in view.pinned and m not in view.pending
-                   and view.step - max(since, view.last_finding_step.get(m, since)) >= cfg.promote_after_steps)
+                   and view.step - max(since, view.last_finding_step.get(m, since)) >= promotion_wait(view, m, cfg)
+                   and (not view.harm_probed or _trial_passed(view, m, since)))
     if not ready:
         return []
-    reason = (f"{len(ready)} module(s) ran {cfg.promote_after_steps}+ clean steps in BF16: re-promoting to FP8 "
-              "with a fresh amax history and scale.")
+    trialled = " and a trial inside the harm probe found no harm" if view.harm_probed else ""
+    reason = (f"{len(ready)} module(s) ran {cfg.promote_after_steps}+ clean steps in BF16{trialled}: re-promoting "
+              "to FP8 with a fresh amax history and scale.")
     return [Decision(kind=ActionKind.PROMOTE, reason=reason, modules=tuple(ready), findings=(), severity=Severity.INFO)]
+
+
+def promotion_wait(view: RunView, module: str, cfg: GuardConfig) -> int:
+    """Clean steps a module in BF16 waits: ``promote_after_steps``, doubled by each harmful trial
+    since its fallback (a module that fails its trial waits longer)."""
+    since = view.bf16.get(module, 0)
+    failures = sum(1 for t in view.trials if t.module == module and t.step >= since and t.harmful)
+    return int(cfg.promote_after_steps * 2 ** min(failures, 16))
+
+
+def _trial_passed(view: RunView, module: str, since: int) -> bool:
+    """The module's latest trial since its fallback found no harm."""
+    latest = [t for t in view.trials if t.module == module and t.step >= since]
+    return bool(latest) and not latest[-1].harmful

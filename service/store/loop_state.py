@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from fp8guard.service.domain import Batch, Decision, Finding, QueuedBatch, StatBlock, StepRow
+from fp8guard.service.domain import Batch, Decision, EventRecord, Finding, QueuedBatch, StatBlock, StepRow
 from fp8guard.service.kinds import FP8_RULES, ActionKind, ActionStatus, Precision, Severity
 from fp8guard.service.store import sql
 from fp8guard.service.store.models import (
     SqlAction,
     SqlCheckpoint,
+    SqlEvent,
     SqlFinding,
     SqlLayerPrecision,
     SqlLoopQueue,
@@ -35,7 +36,7 @@ from fp8guard.service.store.models import (
     SqlTensorSeries,
 )
 from fp8guard.service.store.outbox import OutboxRow, insert_rows
-from fp8guard.wire import STEP_FIELDS
+from fp8guard.wire import STEP_FIELDS, EventKind
 
 __all__ = ["LOOP_LOCK_CLASS", "LoopTxn", "TensorRow", "ViewInputs"]
 
@@ -43,6 +44,8 @@ LOOP_LOCK_CLASS = 0x6C6F6F70
 """First key of the PostgreSQL advisory lock that serialises the loop of one run ('loop')."""
 
 _SWITCHES = (ActionKind.FALLBACK, ActionKind.PROMOTE)
+_JUDGED_EVENTS = (EventKind.HARM_ATTRIBUTED.value, EventKind.PROMOTION_TRIAL.value)
+"""Event kinds the loop's detector reads (the others are applied by ingest)."""
 
 
 class TensorRow:
@@ -144,8 +147,17 @@ class LoopTxn:
                 v = np.frombuffer(bytes(r.data), dtype="<f4")
                 values[ti[int(r.block)], si[str(r.name)], : v.size] = v
             blocks.append(StatBlock(stats=tuple(names), steps=np.asarray(at, dtype=np.int64), values=values))
+        # The events the loop judges (the harm probe's); the others were applied at ingest.
+        ev = SqlEvent
+        events = [EventRecord(kind=r.kind, step=r.step, time=r.time, rank=r.rank, segment=r.segment,
+                              data=dict(sql.json_value(self.conn, r.data) or {}))
+                  for r in self.conn.execute(
+                      sa.select(ev.kind, ev.step, ev.time, ev.rank, ev.segment, ev.data)
+                      .where(ev.run_pk == self.run_pk, ev.rank == q.rank, ev.segment == q.segment,
+                             ev.kind.in_(_JUDGED_EVENTS), ev.step.between(q.first_step, q.last_step))
+                      .order_by(ev.id))]
         return Batch(run_id=run_id, batch_id=f"queued-{q.queue_id}", rank=q.rank, segment=q.segment, tensors=[],
-                     steps=steps, blocks=blocks, events=[])
+                     steps=steps, blocks=blocks, events=events)
 
     # -- the run -----------------------------------------------------------------------------
 
