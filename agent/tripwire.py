@@ -1,86 +1,222 @@
-"""``Tripwire``: a device-side check of every step's telemetry that tells the host, one step
-later and without a sync, that something is wrong right now.
+"""``Tripwire``: a device-side check of every step's telemetry that tells the host, a step or
+two later and without a per-step sync, that something is wrong right now.
 
 Per step it enqueues a few scalar ops on the device: a non-finite loss or gradient norm, a loss
 or gradient norm far above its running baseline (exponential averages kept on the device), or a
-saturation ratio far above the FP8 maximum. The verdict is copied non-blocking into pinned host
-memory and an event is recorded; at the next step the host looks with ``event.query()`` (no
-wait) and, if it fired, the monitor flushes at once and listens for the service's decision, so a
-command can apply two steps after the anomaly instead of after the next flush.
+saturation ratio far above the FP8 maximum. The verdict is copied non-blocking into its own
+word of pinned host memory and an event is recorded. The tripwire decides nothing: the
+service's rules do. It only makes the agent hurry.
 
-The tripwire decides nothing: the service's rules do. It only makes the agent hurry.
+Two reads of each verdict, for two purposes:
+
+- ``peek()`` (no wait, ``event.query()``): at the next step boundary, if the check has
+  completed and fired, the monitor flushes at once and starts listening for the decision. When
+  a host sees it depends on how far the host runs ahead of the device, so ranks see it at
+  different steps; it only ever triggers rank-local work (a flush, a long-poll).
+- ``due(tick)`` (a fixed lag of ``lag_steps`` monitor steps): at step boundary ``c`` every
+  rank reads the verdict of the check of boundary ``c - lag``, and only if that event has not
+  completed yet, waits for it (a deferred sync point: the device has the lag's worth of later
+  steps queued behind that event, so the wait costs no device time, and in a loop that syncs
+  anyway, e.g. for a logged loss, it never waits at all). Every rank thus learns the same
+  verdict at the same step boundary, which is what lets them all enter one extra command
+  broadcast together (``Monitor``), without a collective per step.
+
+The verdict has two bits. ``SHARED``: the gradient norm (non-finite or a jump). Under
+torch.distributed it is computed after the gradient all-reduce (DDP), or passed in as the global
+norm (FSDP/tensor parallel: what ``clip_grad_norm_`` returns), so it is the same number on every
+rank; the norm kernels are deterministic (no atomics: ``kernels.sum_of_squares_into``) and the
+baseline is updated from that number alone, so every rank's ``SHARED`` bit is identical, and
+only it may start a collective. ``LOCAL``: the loss and the saturation ratios, which differ per
+rank (each rank's loss is its own micro-batch's; the emulation, torchao and TE's current
+scaling keep per-rank amaxes; only TE's delayed scaling all-reduces them, and whether it does
+depends on the recipe and its ``fp8_group``); a local trip makes that rank flush early and
+nothing more. A NaN loss on any rank reaches ``SHARED`` anyway: its NaN gradients go through the
+all-reduce. A saturation-only incident under torch.distributed is therefore flushed at once but
+applied at the every-N broadcast; ``all_reduce=True`` makes every bit shared at the price of one
+tiny all-reduce per step (device-side with NCCL, no host sync), for runs that want the two-step
+answer for per-rank quantities too.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Tripwire"]
+__all__ = ["LOCAL", "SHARED", "Tripwire", "Verdict"]
 
 _EMA = 0.05
+SHARED = 1
+"""Verdict bit: a quantity that is identical on every rank (the gradient norm) tripped."""
+LOCAL = 2
+"""Verdict bit: a quantity of this rank only (its loss, its saturation ratios) tripped."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the check of one step said, read at its due step boundary."""
+
+    step: int
+    tick: int
+    bits: int
+    peeked: bool
+    """Already seen by ``peek()`` (the monitor has flushed for it)."""
+    waited: bool
+    """The event had not completed at the due boundary: the host waited for it."""
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.bits & SHARED)
+
+    @property
+    def fired(self) -> bool:
+        return self.bits != 0
+
+
+@dataclass
+class _Slot:
+    step: int
+    tick: int
+    index: int
+    peeked: bool = False
 
 
 class Tripwire:
-    """Checks written into device buffers; ``fired()`` reads the previous check on the host."""
+    """Checks written into device buffers, one host word per pending check; see the module docstring."""
 
     def __init__(self, device: torch.device, *, loss_factor: float, grad_factor: float, saturation: float,
-                 warmup_steps: int, use_loss: bool = True) -> None:
+                 warmup_steps: int, use_loss: bool = True, lag_steps: int = 2, all_reduce: bool = False) -> None:
+        if lag_steps < 1:
+            raise ValueError(f"lag_steps must be >= 1, got {lag_steps}")
         self.device = device
         self.loss_factor = float(loss_factor)
         self.grad_factor = float(grad_factor)
         self.saturation = float(saturation)
         self.warmup_steps = int(warmup_steps)
         self.use_loss = use_loss
-        """Under torch.distributed only all-reduced quantities count (the gradient norm, TE's
-        reduced amaxes): every rank then sees the tripwire fire at the same step."""
+        self.lag_steps = int(lag_steps)
+        self.all_reduce = all_reduce
+        """MAX-all-reduce each verdict over the default process group (every rank must check at
+        every step boundary then, as the monitor does): all bits become shared."""
         self._baseline = torch.zeros(2, device=device)  # loss, grad norm averages
         self._seen = torch.zeros(2, device=device)
         cuda = device.type == "cuda"
-        self._host = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
-        # The verdict is read straight from this host word (no tensor call, so nothing that could
-        # sync; the event says when the copy has landed).
-        self._word = ctypes.c_int32.from_address(self._host.data_ptr())
-        self._event: torch.cuda.Event | None = None
-        self._pending: int | None = None
+        # One word per check that can be pending: the lag's worth, the one just enqueued, and a spare.
+        self._capacity = self.lag_steps + 2
+        self._host = torch.zeros(self._capacity, dtype=torch.int32, pin_memory=cuda)
+        # Verdicts are read straight from these host words (no tensor call, so nothing that could
+        # sync; the events say when a copy has landed).
+        self._words = (ctypes.c_int32 * self._capacity).from_address(self._host.data_ptr())
+        self._events: list[torch.cuda.Event | None] = [None] * self._capacity
+        self._pending: list[_Slot] = []
+        self._next_tick = 0
         self.fired_steps = 0
+        """Checks seen firing (by ``peek`` or ``due``)."""
+        self.waits = 0
+        """Due reads that found their event incomplete and waited for it."""
+
+    # -- the device side ----------------------------------------------------------------------
+
+    def checked(self, tick: int) -> bool:
+        """Whether the check of step boundary ``tick`` has been enqueued."""
+        return tick < self._next_tick  # ticks are checked in increasing order
 
     def check(self, step: int, *, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
-              saturation: torch.Tensor | None) -> None:
-        """Enqueue the check of ``step`` (device tensors, any of them missing)."""
-        trip = torch.zeros((), dtype=torch.bool, device=self.device)
-        for k, value, factor in ((0, loss if self.use_loss else None, self.loss_factor),
-                                 (1, grad_norm, self.grad_factor)):
+              saturation: torch.Tensor | None, tick: int | None = None) -> None:
+        """Enqueue the check of ``step`` (device tensors, any of them missing) for step boundary
+        ``tick`` (default: the one after the last checked); a second check of a tick is ignored."""
+        tick = self._next_tick if tick is None else tick
+        if tick < self._next_tick:
+            return
+        self._next_tick = tick + 1
+        bits = torch.zeros((), dtype=torch.int32, device=self.device)
+        for k, value, factor, bit in ((0, loss if self.use_loss else None, self.loss_factor, LOCAL),
+                                      (1, grad_norm, self.grad_factor, SHARED)):
             if value is None:
                 continue
             x = value.detach().reshape(()).float()
             finite = torch.isfinite(x)
             warm = self._seen[k] >= self.warmup_steps
             jump = warm & (x > factor * self._baseline[k])
-            trip = trip | ~finite | jump
+            bits = bits | ((~finite | jump).int() * bit)
             ok = finite & ~jump
             first = self._seen[k] == 0
             new = torch.where(first, x, self._baseline[k] + _EMA * (x - self._baseline[k]))
             self._baseline[k] = torch.where(ok, new, self._baseline[k])
             self._seen[k] = self._seen[k] + ok.float()
         if saturation is not None and saturation.numel():
-            trip = trip | (torch.nan_to_num(saturation, nan=0.0) > self.saturation).any()
-        # sync point (deferred): a non-blocking copy read one step later, once its event completed
-        self._host.copy_(trip.int().reshape(1), non_blocking=True)
+            bits = bits | ((torch.nan_to_num(saturation, nan=0.0) > self.saturation).any().int() * LOCAL)
+        if self.all_reduce and dist.is_available() and dist.is_initialized():
+            # One element, enqueued on the device with NCCL (no host sync); every rank checks at
+            # every boundary, so every rank enters it.
+            dist.all_reduce(bits, op=dist.ReduceOp.MAX)
+            bits = torch.where(bits != 0, bits | SHARED, bits)
+        if len(self._pending) >= self._capacity:
+            self._pending.pop(0)  # never read (standalone use without due()): its word is reused
+        index = tick % self._capacity
+        self._pending = [s for s in self._pending if s.index != index]
+        # sync point (deferred): a non-blocking copy into this check's own host word, read by
+        # peek() once its event completed, or by due() lag_steps boundaries later
+        self._host[index:index + 1].copy_(bits.reshape(1), non_blocking=True)
         if self.device.type == "cuda":
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
-        self._pending = step
+            event = self._events[index]
+            if event is None:
+                event = self._events[index] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        self._pending.append(_Slot(step=step, tick=tick, index=index))
+
+    # -- the host side ------------------------------------------------------------------------
+
+    def _complete(self, slot: _Slot) -> bool:
+        event = self._events[slot.index]  # None on the CPU: the copy was synchronous
+        return event is None or bool(event.query())  # type: ignore[no-untyped-call]
+
+    def peek(self) -> int | None:
+        """The step of the oldest completed, not yet peeked check that fired (any bit); never waits."""
+        for slot in self._pending:
+            if slot.peeked:
+                continue
+            if not self._complete(slot):
+                return None  # later checks complete after this one: nothing more to see now
+            slot.peeked = True
+            if self._words[slot.index] != 0:
+                self.fired_steps += 1
+                return slot.step
+        return None
 
     def fired(self) -> int | None:
-        """The step whose check fired, if that check has completed; never waits."""
-        if self._pending is None:
+        """The step whose check fired, if that check has completed; never waits. Consumes what
+        it read (standalone use; the monitor uses ``peek`` and ``due``)."""
+        got = self.peek()
+        self._pending = [s for s in self._pending if not s.peeked]
+        return got
+
+    def due(self, tick: int) -> Verdict | None:
+        """The verdict of the check of step boundary ``tick - lag_steps``, read (and consumed) at
+        boundary ``tick`` on every rank alike; None when no such check is pending (the start of
+        the run, or dropped by ``discard``). Waits for that one check if it has not completed."""
+        want = tick - self.lag_steps
+        slot = next((s for s in self._pending if s.tick == want), None)
+        if slot is None:
             return None
-        if self._event is not None and not self._event.query():  # type: ignore[no-untyped-call]
-            return None
-        step, self._pending = self._pending, None
-        if self._word.value != 0:
+        self._pending = [s for s in self._pending if s.tick > want]
+        waited = False
+        if not self._complete(slot):
+            # sync point (deferred, lag_steps behind): waits only for the check recorded
+            # lag_steps boundaries ago, with the later steps' work already queued behind it
+            waited = True
+            self.waits += 1
+            event = self._events[slot.index]
+            assert event is not None
+            event.synchronize()
+        bits = int(self._words[slot.index])
+        if bits and not slot.peeked:
             self.fired_steps += 1
-            return step
-        return None
+        return Verdict(step=slot.step, tick=slot.tick, bits=bits, peeked=slot.peeked, waited=waited)
+
+    def discard(self) -> None:
+        """Forget every pending verdict (a command was just applied: they describe the state
+        before it). Called on every rank at the same boundary, so ``due`` stays in agreement."""
+        self._pending = []
