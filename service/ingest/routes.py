@@ -82,7 +82,7 @@ def set_guard(run_id: RunId, body: GuardConfig, store: StoreDep, principal: Admi
     return GuardConfig.model_validate(overrides)
 
 
-def _parse(body: bytearray, limits: EventLimits) -> Batch:
+def _parse(body: bytes, limits: EventLimits) -> Batch:
     try:
         parsed = IngestBatchIn.model_validate_json(body)
     except ValidationError as exc:
