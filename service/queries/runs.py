@@ -164,7 +164,13 @@ def events(
     run_id: RunId, store: StoreDep,
     kind: Annotated[list[wire.EventKind] | None, Query()] = None,
     start: Start = None, end: End = None, limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+    after: Annotated[int | None, Query(ge=0, lt=2**63, description="only events with a larger id: the last id "
+                                       "of the previous page")] = None,
 ) -> list[EventOut]:
+    """At most ``limit`` events, in id order, from the one after ``after``. One answer carries at
+    most 8 MiB of event data and 64 KiB per event; past either, an event keeps its place with
+    ``data: {"truncated": true, "bytes": N}`` (page on with ``after`` for the rest in full)."""
     kinds = [str(k) for k in kind or ()]
     return [EventOut(id=e.id or 0, kind=e.kind, step=e.step, time=e.time, rank=e.rank, segment=e.segment,
-                     data=e.data) for e in store.events(run_id, kinds=kinds, start=start, end=end, limit=limit)]
+                     data=e.data)
+            for e in store.events(run_id, kinds=kinds, start=start, end=end, limit=limit, after=after)]

@@ -293,9 +293,9 @@ class Store:
         return self._for_run(run_id, lambda conn, pk: reader.tensor_matrix(conn, pk, stat, window))
 
     def events(self, run_id: str, *, kinds: Sequence[str] = (), start: int | None = None, end: int | None = None,
-               limit: int = 1000) -> list[EventRecord]:
+               limit: int = 1000, after: int | None = None) -> list[EventRecord]:
         return self._for_run(run_id, lambda conn, pk: reader.event_list(conn, pk, kinds=kinds, start=start, end=end,
-                                                                         limit=limit))
+                                                                         limit=limit, after=after))
 
     def findings(self, run_id: str) -> list[FindingRecord]:
         return self._for_run(run_id, records.finding_list)

@@ -319,15 +319,16 @@ sizes, or under a raised ``max_event_data_bytes``) comes back as ``{"truncated":
 N}``, and is never loaded from the database: a 250 MB event was served to every dashboard load."""
 EVENTS_READ_BYTES = 8 * 2**20
 """Most event data one read carries in all; the events after it keep their place in the list with
-truncated data (ask again from a later ``start`` step for theirs)."""
+truncated data (the next page, ``after`` the last id served whole, has theirs)."""
 
 
 def event_list(
     conn: sa.Connection, pk: int, *, kinds: Sequence[str] = (), start: int | None = None, end: int | None = None,
-    limit: int = 1000,
+    limit: int = 1000, after: int | None = None,
 ) -> list[EventRecord]:
-    """Events in id order, each one's data and the whole answer bounded in bytes (the sizes are
-    measured in SQL, so an oversized event's data never leaves the database)."""
+    """Events in id order (from the one after the id ``after``), each one's data and the whole
+    answer bounded in bytes (the sizes are measured in SQL, so an oversized event's data never
+    leaves the database)."""
     size = sa.func.length(sa.cast(SqlEvent.data, sa.Text))
     query = sa.select(SqlEvent.id, size.label("size")).where(SqlEvent.run_pk == pk)
     if kinds:
@@ -336,6 +337,8 @@ def event_list(
         query = query.where(SqlEvent.step >= start)
     if end is not None:
         query = query.where(SqlEvent.step <= end)
+    if after is not None:
+        query = query.where(SqlEvent.id > after)
     picked = query.order_by(SqlEvent.id).limit(limit).subquery()
     running = sa.func.sum(picked.c.size).over(order_by=picked.c.id)
     fits = sa.and_(picked.c.size <= EVENT_DATA_READ_BYTES, running <= EVENTS_READ_BYTES)

@@ -83,3 +83,18 @@ def test_reads_bound_what_an_already_stored_large_event_costs(client: Any, migra
     whole = [e for e in events[2:] if e["data"] == medium]
     assert 0 < len(whole) < n_medium and all(e["data"]["truncated"] for e in events[2 + len(whole):])
     assert len(r.content) < EVENTS_READ_BYTES + 2 * EVENT_DATA_READ_BYTES + 200 * len(events)
+
+
+def test_events_page_on_with_after(client: Any) -> None:
+    register(client, "pg")
+    post(client, batch("pg", [0], events=[_note(f"n{i}", step=i) for i in range(5)]))
+    seen: list[str] = []
+    after = None
+    while True:
+        params: dict[str, Any] = {"limit": 2} if after is None else {"limit": 2, "after": after}
+        page = client.get("/v1/runs/pg/events", params=params).json()
+        if not page:
+            break
+        seen += [e["data"]["text"] for e in page]
+        after = page[-1]["id"]
+    assert seen == [f"n{i}" for i in range(5)]
