@@ -1,5 +1,7 @@
 """From the loop's decisions to alerts: every action, and every critical finding, pages the
-configured sinks (the rows go into the outbox in the transaction that stores the decision)."""
+configured sinks (the rows go into the outbox in the transaction that stores the decision), once
+per incident: a run's alert of a kind already sent to a sink within ``incident_window_s`` is not
+queued again (``store.outbox``), so a storm of bad batches pages once; every decision is stored."""
 
 from __future__ import annotations
 
