@@ -1,4 +1,5 @@
-"""Pieces the framework integrations share: the monitor-state file in checkpoints, rank tagging."""
+"""Pieces the framework integrations share: the monitor-state file in checkpoints, rank tagging,
+and reading a loss out of whatever a training step or forward returned (for the harm probe)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.monitor import Monitor
 
-__all__ = ["STATE_FILE", "align_rank", "config_with_token", "read_state", "write_state"]
+__all__ = ["STATE_FILE", "align_rank", "config_with_token", "loss_in", "read_state", "write_state"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -51,3 +55,20 @@ def align_rank(monitor: Monitor, rank: int, world_size: int, framework: str) -> 
         log.warning("fp8guard: torch.distributed says rank %d of %d, %s says %d of %d; reporting as %d",
                     monitor.rank, monitor.world_size, framework, rank, world_size, rank)
         monitor.rank, monitor.world_size = rank, world_size
+
+
+def loss_in(output: Any) -> torch.Tensor | None:
+    """The scalar loss a training step or a model's forward returned, or None when it carries
+    none: a one-element tensor; a mapping's ``"loss"`` (Lightning's step output, HF's dicts);
+    an object's ``.loss`` (HF ``ModelOutput``); in a tuple or list, its first one-element
+    tensor (HF tuple outputs put the loss first, nanoGPT-style ``(logits, loss)`` last).
+    Type checks only: no device work, no sync."""
+    if isinstance(output, torch.Tensor):
+        return output if output.numel() == 1 else None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, Sequence) and not isinstance(output, str):
+        loss = next((t for t in output if isinstance(t, torch.Tensor) and t.numel() == 1), None)
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None

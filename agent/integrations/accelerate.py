@@ -3,11 +3,24 @@
     monitor = attach_accelerate(accelerator, model, optimizer, MonitorConfig(url="http://127.0.0.1:8000"))
     for batch in loader:
         loss = model(**batch).loss; accelerator.backward(loss)
-        monitor.step(loss); optimizer.step(); optimizer.zero_grad()   # step() before zero_grad
+        monitor.step(loss); optimizer.step(); optimizer.zero_grad()   # step() before optimizer.step()
     monitor.close()
 
 ``attach_accelerate`` attaches a :class:`~fp8guard.agent.Monitor` to the unwrapped model (so
-tensor names do not depend on the DDP/FSDP wrapper) and registers two Accelerate hooks:
+tensor names do not depend on the DDP/FSDP wrapper) and registers two Accelerate hooks (below).
+
+**The harm probe** (every ``MonitorConfig.harm_interval_steps``) needs the current batch's loss
+computed again, before ``optimizer.step()``: call ``monitor.step`` there, as above. The monitor
+builds that loss itself when the model's forward returns it (a scalar tensor, ``{"loss": ...}``,
+an HF ``ModelOutput``, or a tuple holding one scalar tensor, e.g. ``(logits, loss)``): a forward
+hook on the model given to ``attach_accelerate`` keeps a reference to the inputs of the last
+training forward (grad enabled, training mode), and the probe calls the model again with them,
+through the same wrapper and autocast. Under gradient accumulation (``monitor.step`` once per
+optimizer step) that is the last micro-batch. When the loss is computed outside the model
+(``criterion(model(x), y)``), hand it over: ``monitor.step(loss, loss_fn=lambda: criterion(model(x), y))``
+(a ``loss_fn`` given to ``step`` always wins). ``harm_probe=False`` turns the probe off.
+
+The Accelerate hooks:
 
 * ``save_state``: the main process writes ``fp8guard_monitor.json`` (``Monitor.state_dict()``)
   into the checkpoint folder, and a ``checkpoint_saved`` event is recorded. The hook runs when
@@ -24,12 +37,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
-from fp8guard.agent.integrations._common import STATE_FILE, config_with_token, read_state, write_state
+from fp8guard.agent.integrations._common import (
+    STATE_FILE,
+    config_with_token,
+    loss_in,
+    read_state,
+    write_state,
+)
 from fp8guard.agent.monitor import Monitor
 from fp8guard.agent.transport import Transport
 
@@ -38,6 +60,61 @@ __all__ = ["STATE_FILE", "attach_accelerate"]
 log = logging.getLogger("fp8guard.agent")
 
 """Written into every ``save_state`` folder; holds ``Monitor.state_dict()``."""
+
+
+class _AccelerateMonitor(Monitor):
+    """A Monitor whose ``step`` hands the harm probe the model's last training forward, replayed,
+    when the loop gives no ``loss_fn`` of its own."""
+
+    def __init__(self, config: MonitorConfig, *, transport: Transport | None, harm_probe: bool) -> None:
+        super().__init__(config, transport=transport)
+        self.harm_probe = harm_probe
+        self._replay: Callable[[], torch.Tensor | None] | None = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._told = False
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Remember the inputs of ``model``'s training forwards (references only, no device work)."""
+        if self.harm_probe and self.config.harm_interval_steps > 0:
+            self._hook = model.register_forward_hook(self._remember, with_kwargs=True)
+
+    def _remember(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return  # evaluation forwards and the probe's own replays
+        try:
+            if loss_in(output) is None:
+                if not self._told:
+                    self._told = True
+                    log.info("fp8guard: %s's forward returns no loss; for the harm probe pass "
+                             "monitor.step(loss, loss_fn=lambda: <the batch's loss>)", type(module).__name__)
+                return
+            self._replay = lambda: loss_in(module(*args, **kwargs))
+        except Exception:  # a forward hook that raised would stop training
+            log.exception("fp8guard: remembering the forward failed; the harm probe needs monitor.step(loss_fn=...)")
+
+    def step(self, loss: torch.Tensor | float | None = None, **kwargs: Any) -> None:
+        """``Monitor.step``; without a ``loss_fn``, the probe replays the last training forward."""
+        replay, self._replay = self._replay, None
+        if kwargs.get("loss_fn") is None and replay is not None and self.harm_probe:
+            kwargs["loss_fn"] = _probe_loss(replay)
+        super().step(loss, **kwargs)
+
+    def close(self, *, failed: bool = False, timeout_s: float = 30.0) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._replay = None
+        super().close(failed=failed, timeout_s=timeout_s)
+
+
+def _probe_loss(replay: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor]:
+    def loss_fn() -> torch.Tensor:
+        loss = replay()
+        if loss is None:
+            raise TypeError("the harm probe's replayed forward returned no loss")
+        return loss
+
+    return loss_fn
 
 
 def attach_accelerate(
@@ -50,19 +127,22 @@ def attach_accelerate(
     resume_from: str | os.PathLike[str] | None = None,
     remediator: Remediator | None = None,
     token: str | None = None,
+    harm_probe: bool = True,
 ) -> Monitor:
     """Attach a Monitor to ``model`` (prepared or not) and hook it into ``accelerator``'s
-    checkpoints; returns the Monitor, whose ``step(loss)`` the loop calls. Configuration errors
-    raise here, nothing later does. ``token``: the service token (default: the config's, else
-    ``$FP8GUARD_TOKEN``)."""
+    checkpoints; returns the Monitor, whose ``step(loss)`` the loop calls before
+    ``optimizer.step()``. Configuration errors raise here, nothing later does. ``token``: the
+    service token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe=False``: no
+    harm probe built from the model's forward (see the module docstring)."""
     config = config_with_token(config, token)
     restored = read_state(os.fspath(resume_from)) if resume_from is not None else None
     if restored is not None and config.run_id is None:
         config = dataclasses.replace(config, run_id=str(restored["run_id"]))
-    monitor = Monitor(config, transport=transport)
+    monitor = _AccelerateMonitor(config, transport=transport, harm_probe=harm_probe)
     if restored is not None:
         monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
     monitor.attach(accelerator.unwrap_model(model), optimizer, remediator=remediator)
+    monitor.watch(model)  # the model the loop calls: its replay goes through the same wrapper
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
     if (monitor.rank, monitor.world_size) != (rank, world):
         log.warning("fp8guard: torch.distributed says rank %d of %d, Accelerate says %d of %d; reporting as %d",

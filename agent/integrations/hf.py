@@ -8,28 +8,41 @@
                       callbacks=[FP8GuardTrainerCallback(MonitorConfig(url="http://127.0.0.1:8000"))])
     trainer.train()
 
-The Trainer hands callbacks neither its per-step loss nor its pre-clipping gradient norm (both
-only reach ``on_log``, every ``logging_steps``), so, step by step (``state.global_step`` before
-the update, 0-based):
+The Trainer hands callbacks neither its per-step loss, nor its inputs, nor its pre-clipping
+gradient norm (the loss and norm only reach ``on_log``, every ``logging_steps``). So at
+``on_train_begin`` the callback finds the ``Trainer`` that runs it (the caller of its hook,
+looked up once on the call stack; ``callback.bind(trainer)`` names it explicitly) and wraps two
+of that instance's methods, for this run only (undone when training ends):
 
-* **loss**: a forward hook on the model adds up the ``loss`` its forward returns in training mode
-  (a dict / ``ModelOutput`` with ``loss``): the mean over the step's micro-batches, or their sum
-  when the Trainer passed ``num_items_in_batch`` (the model then normalised by the step's token
-  count), scaled by the world size when the Trainer averages tokens across devices, as the
-  Trainer does. When the forward returns no loss (``compute_loss_func``, label smoothing, tuple
-  outputs, ``DataParallel``), the loss comes from ``on_log`` instead: only on logging steps, and
-  it is the Trainer's mean over the logging window.
-* **gradient norm**: read on the device in ``on_pre_optimizer_step``. That hook runs after the
-  Trainer clipped the gradients, so this is the true norm only with ``max_grad_norm`` off (0 or
-  None). With clipping on, a clipped norm would hide every spike, so the Trainer's own
-  pre-clipping norm from ``on_log`` is used instead, on logging steps only: set
-  ``logging_steps=1`` for every step (with its default ``logging_nan_inf_filter`` the Trainer
-  syncs with the host every step anyway).
-* **learning rate**: the first param group's, before the scheduler steps.
+* ``trainer.compute_loss``: every training call's loss (before the Trainer divides it for
+  gradient accumulation) and its inputs. The step's loss is the mean over its micro-batches,
+  or their sum when the Trainer says each is already normalised over the whole step
+  (``loss_is_scaled_for_ga``, or ``num_items_in_batch`` given to a model that takes it, or a
+  ``compute_loss_func``), as the Trainer itself adds them up. Subclasses' ``compute_loss``,
+  ``compute_loss_func`` and label smoothing are covered: it is the Trainer's own loss.
+* ``trainer.accelerator.clip_grad_norm_``: the global gradient norm the Trainer computes every
+  step (to clip with ``max_grad_norm``, the default 1.0, or with an infinite bound to log it),
+  as it returns it: before clipping, on the device. So the norm is recorded every step, with
+  default settings, at no extra cost and without a host sync.
 
-A step is recorded once its logs are in (at ``on_log``, ``on_save``, the next ``on_step_begin``
-or ``on_train_end``). ``on_save`` writes ``fp8guard_monitor.json`` (``Monitor.state_dict()``)
-into the checkpoint folder and emits ``checkpoint_saved``; ``on_train_begin`` of a resumed run
+Then, step by step (``state.global_step`` before the update, 0-based), ``on_pre_optimizer_step``
+records the step, with the learning rate of the first param group: before ``optimizer.step()``,
+so the harm probe (every ``MonitorConfig.harm_interval_steps``) measures the weights the loss
+saw. **The harm probe's loss** is ``trainer.compute_loss(model, inputs)`` on the step's last
+micro-batch (under gradient accumulation: the last one), in the Trainer's
+``compute_loss_context_manager``, under ``torch.no_grad``. ``harm_probe=False`` turns it off.
+
+Without the Trainer (not found on the stack), the callback falls back to what callbacks see: a
+forward hook adds up the ``loss`` the model's forward returns in training mode (scaled by the
+world size when the Trainer averages tokens across devices) and the probe replays that forward;
+the gradient norm is read on the device in ``on_pre_optimizer_step`` when ``max_grad_norm`` is
+off, else taken from ``on_log`` on logging steps (a clipped norm would hide every spike); a loss
+the forward does not return also comes from ``on_log``. Such a step is recorded once its logs are
+in (at ``on_log``, ``on_save``, the next ``on_step_begin`` or ``on_train_end``), after the
+optimizer stepped, so it carries no probe.
+
+``on_save`` writes ``fp8guard_monitor.json`` (``Monitor.state_dict()``) into the checkpoint
+folder and emits ``checkpoint_saved``; ``on_train_begin`` of a resumed run
 (``state.global_step > 0``) reads it back from ``output_dir/checkpoint-<step>`` to continue the
 same run id (unless ``MonitorConfig.run_id`` names one) and emits ``run_resumed``.
 ``on_train_end`` closes the run as finished. The Trainer has no exception hook, so a run that
@@ -45,9 +58,10 @@ dies stays ``running`` unless the script closes it::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +71,12 @@ from fp8guard import wire
 from fp8guard.agent.commands import Remediator
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
+from fp8guard.agent.harm import LossFn
 from fp8guard.agent.integrations._common import (
     STATE_FILE,
     align_rank,
     config_with_token,
+    loss_in,
     read_state,
     write_state,
 )
@@ -95,13 +111,18 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
 
     ``transport`` replaces the HTTP transport built from ``config.url`` (tests, offline runs);
     ``remediator`` applies the service's commands (see ``Monitor.attach``); ``token`` is the service
-    token (default: the config's, else ``$FP8GUARD_TOKEN``).
-    After training the monitor stays readable as ``callback.monitor``.
+    token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe=False`` turns the
+    harm probe off. After training the monitor stays readable as ``callback.monitor``.
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: Remediator | None = None, token: str | None = None) -> None:
+                 remediator: Remediator | None = None, token: str | None = None, harm_probe: bool = True) -> None:
         self.config = config_with_token(config, token)
+        self.harm_probe = harm_probe
+        self._trainer: Any = None
+        self._undo: list[Callable[[], None]] = []  # puts the wrapped Trainer methods back
+        self._norm: torch.Tensor | float | None = None  # the Trainer's pre-clipping norm of this step
+        self._replay: Callable[[], Any] | None = None  # the step's last micro-batch's loss, again
         self.monitor: Monitor | None = None
         self._live = False
         self._transport = transport
@@ -114,6 +135,12 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self._loss_summed = False  # the model normalised by the whole step's token count
         self._loss_scale = 1
         self._pending: _Pending | None = None
+
+    def bind(self, trainer: Any) -> FP8GuardTrainerCallback:
+        """Name the Trainer that runs this callback (found on the call stack at ``on_train_begin``
+        otherwise): its ``compute_loss`` and gradient norm are then used. Returns self."""
+        self._trainer = trainer
+        return self
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -144,9 +171,16 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self._pending, self._loss_sum, self._loss_n = None, None, 0
-        self._loss_scale = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
-        if getattr(args, "n_gpu", 1) <= 1:  # DataParallel runs the hook once per replica and device
-            self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        self._norm, self._replay = None, None
+        trainer = self._trainer if self._trainer is not None else _calling_trainer(self)
+        if trainer is not None:
+            self._wrap(trainer)
+        else:
+            log.info("fp8guard: the Trainer running this callback was not found (callback.bind(trainer) names "
+                     "it); losses come from the model's forward, clipped runs' grad norms from the logs")
+            self._loss_scale = int(args.world_size) if getattr(args, "average_tokens_across_devices", False) else 1
+            if getattr(args, "n_gpu", 1) <= 1:  # DataParallel runs the hook once per replica and device
+                self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
         if restored is not None:
             monitor.event(wire.EventKind.RUN_RESUMED, data={"global_step": state.global_step})
 
@@ -162,13 +196,71 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        while self._undo:
+            self._undo.pop()()
+        self._replay = None
         self.monitor.close(failed=failed)
+
+    # -- the Trainer's own loss, inputs and gradient norm --------------------------------------------------
+
+    def _wrap(self, trainer: Any) -> None:
+        """Wrap ``trainer.compute_loss`` and ``trainer.accelerator.clip_grad_norm_`` on the
+        instance (see the module docstring). The wrappers only keep references: no device work."""
+        compute_loss = trainer.compute_loss  # bound: a subclass's override included
+
+        def capture_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            # compute_loss may pop "labels" (label smoothing): the probe gets the inputs as they came
+            snapshot = dict(inputs) if isinstance(inputs, Mapping) else inputs
+            out = compute_loss(model, inputs, *args, **kwargs)
+            if self._live and torch.is_grad_enabled() and getattr(model, "training", False):
+                self._on_compute_loss(trainer, compute_loss, model, snapshot, args, kwargs, out)
+            return out
+
+        self._undo.append(_set_instance_attr(trainer, "compute_loss", capture_loss))
+        accelerator = getattr(trainer, "accelerator", None)
+        clip = getattr(accelerator, "clip_grad_norm_", None)
+        if clip is None:
+            return
+
+        def capture_norm(*args: Any, **kwargs: Any) -> Any:
+            norm = clip(*args, **kwargs)
+            if self._live and isinstance(norm, torch.Tensor | float):
+                self._norm = norm  # the total norm before clipping, as the Trainer logs it
+            return norm
+
+        self._undo.append(_set_instance_attr(accelerator, "clip_grad_norm_", capture_norm))
+
+    def _on_compute_loss(self, trainer: Any, compute_loss: Callable[..., Any], model: Any, inputs: Any,
+                         args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        try:
+            loss = out[0] if isinstance(out, tuple) else out
+            if not isinstance(loss, torch.Tensor):
+                return
+            loss = loss.detach().float().mean()  # mean: DataParallel returns one loss per device
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_n += 1
+            scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+            if scaled is None:  # as Trainer.training_step decides it
+                scaled = (bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+                          and kwargs.get("num_items_in_batch") is not None) \
+                    or getattr(trainer, "compute_loss_func", None) is not None
+            self._loss_summed = bool(scaled)
+
+            def replay() -> Any:
+                with trainer.compute_loss_context_manager():
+                    again = compute_loss(model, dict(inputs) if isinstance(inputs, Mapping) else inputs,
+                                         *args, **kwargs)
+                return again[0] if isinstance(again, tuple) else again
+
+            self._replay = replay
+        except Exception:  # monitoring must never take training down
+            log.exception("fp8guard: capturing the loss failed; this micro-batch goes without it")
 
     # -- per step -----------------------------------------------------------------------------------
 
     def _capture_loss(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        if not module.training or not self._live:
-            return  # evaluation and prediction forwards
+        if not module.training or not self._live or not torch.is_grad_enabled():
+            return  # evaluation and prediction forwards, the harm probe's replays
         try:
             loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -176,6 +268,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
                 self._loss_n += 1
                 self._loss_summed = kwargs.get("num_items_in_batch") is not None
+                self._replay = lambda: loss_in(module(*args, **kwargs))
         except Exception:  # a forward hook that raised would stop training
             log.exception("fp8guard: capturing the loss failed; losses now come from the Trainer's logs")
             if self._hook is not None:
@@ -185,10 +278,12 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._commit()
         self._loss_sum, self._loss_n = None, 0  # drop forwards of anything but training steps
+        self._norm, self._replay = None, None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                               **kwargs: Any) -> None:
-        if not self._live:
+        monitor = self.monitor
+        if not self._live or monitor is None:
             return
         self._commit()
         loss: torch.Tensor | None = self._loss_sum
@@ -196,17 +291,23 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             loss = loss / self._loss_n
         elif loss is not None and self._loss_scale != 1:
             loss = loss * self._loss_scale
-        self._loss_sum, self._loss_n = None, 0
-        norm = None
+        norm, replay = self._norm, self._replay
+        self._loss_sum, self._loss_n, self._norm, self._replay = None, 0, None, None
         try:
-            if self.config.compute_grad_norm and not self._clipping:
+            if norm is None and self.config.compute_grad_norm and not self._clipping:
                 norm = device_grad_norm(self._params)
             groups = getattr(optimizer, "param_groups", None)
             lr = groups[0].get("lr") if groups else None
         except Exception:  # monitoring must never take training down
             log.exception("fp8guard: reading the gradient norm failed; this step goes without it")
             norm, lr = None, None
-        self._pending = _Pending(step=int(state.global_step), loss=loss, grad_norm=norm, lr=lr)
+        step = int(state.global_step)
+        if loss is None or (norm is None and self._clipping and self.config.compute_grad_norm):
+            # Only the Trainer's logs have them: recorded later, after the weights moved, so no probe.
+            self._pending = _Pending(step=step, loss=loss, grad_norm=norm, lr=lr)
+            return
+        loss_fn = _probe_loss(replay) if self.harm_probe and replay is not None else None
+        monitor.step(loss, grad_norm=norm, lr=lr, step=step, loss_fn=loss_fn)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
@@ -244,7 +345,53 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                       data={"path": folder, "global_step": state.global_step})
 
 
+def _probe_loss(replay: Callable[[], Any]) -> LossFn:
+    def loss_fn() -> torch.Tensor:
+        loss = replay()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"the harm probe needs a loss tensor, the replayed step gave {type(loss).__name__}")
+        return loss.float().mean()
+
+    return loss_fn
 
 
+def _calling_trainer(callback: FP8GuardTrainerCallback) -> Any:
+    """The ``Trainer`` whose callback handler is calling ``callback`` right now, or None.
+
+    Callbacks are not handed their Trainer; every hook is called from a Trainer method through
+    its ``CallbackHandler``, so the Trainer is ``self`` a few frames up. Looked up once per run."""
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover - the module imports transformers
+        return None
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            handler = getattr(candidate, "callback_handler", None)
+            if isinstance(candidate, Trainer) and any(c is callback for c in getattr(handler, "callbacks", ())):
+                return candidate
+        return None
+    finally:
+        del frame
 
 
+def _set_instance_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set ``obj.name`` on the instance (shadowing the class's method); returns the undo, which
+    puts back exactly what the instance had (an attribute of its own, or none)."""
+    own = obj.__dict__.get(name, _MISSING)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if own is _MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, own)
+
+    return undo
+
+
+_MISSING = object()

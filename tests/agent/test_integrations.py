@@ -242,11 +242,16 @@ def test_hf_trainer_callback_streams_every_step(client: Any, tmp_path: Path) -> 
     assert cb.monitor is not None and saved_state == cb.monitor.state_dict() and saved_state["run_id"] == "hf-run" and saved_state["next_step"] == 4
 
 
-def test_hf_trainer_callback_falls_back_to_logs_and_resumes(client: Any, tmp_path: Path) -> None:
-    """Tuple outputs and clipping: loss and pre-clip grad norm only on logging steps; a resumed
-    train() continues the run named in the checkpoint."""
+def test_hf_trainer_callback_falls_back_to_logs_and_resumes(client: Any, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its Trainer (not found on the call stack), tuple outputs and clipping: loss and
+    pre-clip grad norm only on logging steps; a resumed train() continues the run named in the
+    checkpoint."""
     pytest.importorskip("transformers")
+    from fp8guard.agent.integrations import hf
     from fp8guard.agent.integrations.hf import FP8GuardTrainerCallback
+
+    monkeypatch.setattr(hf, "_calling_trainer", lambda callback: None)
 
     cb = FP8GuardTrainerCallback(MonitorConfig(run_id="hf-logs"), transport=_transport(client, "hf-logs", tmp_path))
     trainer = _hf_train(tmp_path, _HFGPT(as_tuple=True), cb, max_grad_norm=1e-3, logging_steps=2)
