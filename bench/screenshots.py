@@ -2,11 +2,12 @@
 
     pip install -e '.[dev]'              # needs the dev extra: torch (the demo trains), the service
                                          # and playwright, plus Debian's chromium at /usr/bin/chromium
-    python bench/screenshots.py          # writes docs/screenshots/{runs,run,run-story}.png
+    python bench/screenshots.py          # writes docs/screenshots/{runs,run,run-story,run-gap}.png
 
 Runs the demo in-process (its service stays up), adds the web router when the app does not
 have it yet, and photographs the pages with headless Debian Chromium (Playwright): the runs
-list, the whole run page, and the top of the run page (the incident summary and the loss).
+list, the whole run page, the top of the run page (the incident summary and the loss), and the
+run page's FP8 loss gap chart (the harm probe; it says how to turn the probe on when the run has none).
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def main() -> None:
                     raise SystemExit(f"{path}: the page failed to draw: {error}")
                 page.wait_for_timeout(2000)  # the plots after the heatmaps
                 page.screenshot(path=str(OUT / f"{name}.png"), full_page=full)
+            page.locator("#gap").screenshot(path=str(OUT / "run-gap.png"))  # the run page is still open
             browser.close()
     finally:
         service.close()
-    print(f"wrote {', '.join(str(OUT / f'{name}.png') for name, _, _ in shots)} for {result.run_id}")
+    print(f"wrote {', '.join(str(OUT / f'{name}.png') for name in [*(s[0] for s in shots), 'run-gap'])} for {result.run_id}")
 
 
 if __name__ == "__main__":

@@ -80,8 +80,17 @@ def test_dashboard_panels() -> None:
             assert t.get("datasource", DATASOURCE) == DATASOURCE
             assert "fp8guard_" in t["expr"]
     titles = " ".join(p["title"].lower() for p in panels)
-    for needed in ("last step", "loss", "saturation", "bf16", "rollbacks", "ingest", "latency", "alert"):
+    for needed in ("last step", "loss", "loss gap", "saturation", "bf16", "rollbacks", "ingest", "latency", "alert"):
         assert needed in titles
+
+
+def test_dashboard_loss_gap_panel() -> None:
+    """The harm probe's gap is a fraction: drawn as a percentage, with the alert rule's threshold."""
+    (panel,) = [p for p in all_panels(load_dashboard()["panels"]) if "fp8guard_run_fp8_loss_gap" in str(p.get("targets"))]
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["unit"] == "percentunit"
+    assert [s["value"] for s in defaults["thresholds"]["steps"]] == [None, 0.02]
+    assert "fp8guard_run_fp8_loss_gap > 0.02" in (PROMETHEUS / "rules.yml").read_text(encoding="ascii")
 
 
 def test_dashboard_metrics_exist() -> None:
@@ -104,7 +113,7 @@ def test_rules_check() -> None:
     proc = subprocess.run([promtool(), "check", "rules", str(PROMETHEUS / "rules.yml")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "6 rules found" in proc.stdout
+    assert "7 rules found" in proc.stdout
 
 
 def test_rules_unit_tests() -> None:

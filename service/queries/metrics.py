@@ -245,6 +245,9 @@ class RunCollector(Collector):
                     lambda r: r.underflowing)
         yield gauge("fp8guard_run_layers_bf16", "Modules currently running in BF16 (fallen back or pinned).",
                     lambda r: r.layers_bf16)
+        yield gauge("fp8guard_run_fp8_loss_gap",
+                    "Harm probe's latest (loss_fp8 - loss_bf16) / loss_bf16 on rank 0: what FP8 costs the loss.",
+                    lambda r: r.fp8_loss_gap)
         yield counter("fp8guard_run_findings", "Findings of the detection rules.", lambda r: r.findings)
         yield counter("fp8guard_run_rollbacks", "Rollbacks decided (pending or applied).", lambda r: r.rollbacks)
         actions = CounterMetricFamily("fp8guard_run_actions", "Policy actions by kind, any status.",

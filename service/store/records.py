@@ -22,6 +22,7 @@ from fp8guard.service.store.models import (
     SqlRun,
     SqlRunRank,
     SqlStat,
+    SqlStep,
     SqlTensorSeries,
 )
 
@@ -30,6 +31,12 @@ __all__ = ["RunMetrics", "action_list", "active_run_metrics", "checkpoint_list",
 
 _SATURATION_STAT = "saturation"
 _UNDERFLOW_STAT = "underflows"
+GAP_LOOKBACK_STEPS = 5000
+"""How far back from rank 0's last step ``/metrics`` looks for the harm probe's latest gap: the
+read walks the steps primary key backwards from the newest step and stops at the first probed
+one, so a probing run costs about ``harm_interval_steps`` rows per scrape and a run without the
+probe at most this many; a run whose newest probe is older exports no gap."""
+_GAP_NAN_BIT = 1 << wire.STEP_FIELDS.index("fp8_loss_gap")
 
 
 def finding_list(conn: sa.Connection, pk: int, *, limit: int = 1000) -> list[FindingRecord]:
@@ -85,14 +92,18 @@ class RunMetrics:
     worst_saturation: float | None = None
     saturating: int | None = None
     underflowing: int | None = None
+    fp8_loss_gap: float | None = None
+    """The harm probe's latest gap on rank 0 (NaN when it was NaN; None: no probe lately)."""
 
 
 def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetrics], int]:
     """Up to ``max_runs`` running runs (most recently active first) and how many run in all.
 
     Two queries whatever the number of runs: one row per run with its scalars and counts
-    (correlated sub-selects), then the latest level-1 ``saturation`` and ``underflows`` rows of
-    rank 0, found through the primary key, so the cost does not grow with run length."""
+    (correlated sub-selects; the harm probe's latest gap is rank 0's newest step in its newest
+    segment that carries one, within ``GAP_LOOKBACK_STEPS``), then the latest level-1
+    ``saturation`` and ``underflows`` rows of rank 0, found through the primary key, so the cost
+    does not grow with run length."""
     pk = SqlRun.id
     running = SqlRun.status == "running"
     active = int(conn.scalar(sa.select(sa.func.count()).select_from(SqlRun).where(running)) or 0)
@@ -102,6 +113,15 @@ def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetr
 
     rank0 = sa.orm.aliased(SqlRunRank)
     kinds = list(ActionKind)
+    gap_nan = SqlStep.nan_mask.op("&")(_GAP_NAN_BIT)
+
+    def latest_gap(col: Any) -> Any:
+        probed = (SqlStep.fp8_loss_gap.is_not(None) | (gap_nan != 0))
+        return (sa.select(col)
+                .where(SqlStep.run_pk == pk, SqlStep.rank == 0, SqlStep.segment == rank0.last_segment,
+                       SqlStep.step <= rank0.last_step, SqlStep.step >= rank0.last_step - GAP_LOOKBACK_STEPS, probed)
+                .order_by(SqlStep.step.desc()).limit(1).correlate(SqlRun, rank0).scalar_subquery())
+
     cols: list[Any] = [
         pk, SqlRun.run_id,
         sa.select(sa.func.max(SqlRunRank.last_step)).where(SqlRunRank.run_pk == pk).scalar_subquery(),
@@ -112,6 +132,7 @@ def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetr
         # Rollbacks the service decided and did not see fail (dry-run recommendations excluded).
         count(SqlAction, SqlAction.kind == ActionKind.ROLLBACK,
               SqlAction.status.in_((ActionStatus.PENDING, ActionStatus.APPLIED))),
+        latest_gap(SqlStep.fp8_loss_gap), latest_gap(gap_nan),
         *(count(SqlAction, SqlAction.kind == kind) for kind in kinds),
     ]
     query = (sa.select(*cols).outerjoin(rank0, (rank0.run_pk == pk) & (rank0.rank == 0)).where(running)
@@ -119,10 +140,11 @@ def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetr
     runs = []
     for row in conn.execute(query):
         loss = math.nan if row[4] else (float(row[3]) if row[3] is not None else None)
+        gap = math.nan if row[9] else (float(row[8]) if row[8] is not None else None)
         runs.append(RunMetrics(
             pk=int(row[0]), run_id=str(row[1]), last_step=None if row[2] is None else int(row[2]),
             last_loss=loss, layers_bf16=int(row[5] or 0), findings=int(row[6] or 0), rollbacks=int(row[7] or 0),
-            actions={kind: int(row[8 + i] or 0) for i, kind in enumerate(kinds)},
+            actions={kind: int(row[10 + i] or 0) for i, kind in enumerate(kinds)}, fp8_loss_gap=gap,
         ))
     _latest_stats(conn, runs)
     return runs, active

@@ -231,13 +231,13 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
     def run_page(run_id: Annotated[str, PathParam(max_length=1024)], request: Request) -> HTMLResponse:
         return unknown_run(request, run_id) or _page(
             assets, "run", title=f"fp8guard: {run_id}", script="run.js", data={"poll": poll, "run-id": run_id},
-            helpers=("precision.js", "story.js", "heatmap.js", "tables.js"))
+            helpers=("precision.js", "harm.js", "story.js", "heatmap.js", "tables.js"))
 
     @pages.get("/compare", response_class=HTMLResponse)
     def compare_page(request: Request, run: PageRunQuery = None, baseline: PageRunQuery = None) -> HTMLResponse:
         return unknown_run(request, run or None, baseline or None) or _page(
             assets, "compare", title="fp8guard: compare", script="compare.js",
-            data={"poll": poll, "run": run or "", "baseline": baseline or ""})
+            data={"poll": poll, "run": run or "", "baseline": baseline or ""}, helpers=("harm.js",))
 
     @router.get("/static/{name}")
     def static(name: str, request: Request) -> Response:

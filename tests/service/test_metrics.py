@@ -24,9 +24,11 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fp8guard import wire
 from fp8guard.service.domain import IngestResult
 from fp8guard.service.queries.metrics import AlertCollector, RunCollector, install_metrics
-from tests.helpers import batch, post, register
+from fp8guard.service.store.records import GAP_LOOKBACK_STEPS
+from tests.helpers import batch, post, register, tensor_defs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +57,7 @@ def make_client(url: str, **kw: Any) -> Any:
     tokens = {role.value: issue_token(app.state.store, name=f"t-{role}", role=role)[0] for role in Role}
     if getattr(app.state, "metrics_registry", None) is None:  # create_app may install them itself
         install_metrics(app, app.state.store, **kw)
-    return TestClient(app)
+    return TestClient(app, headers={"authorization": f"Bearer {tokens['admin']}"})
 
 
 @pytest.fixture
@@ -135,6 +137,67 @@ def test_bf16_layers_from_fallback_event(mclient: Any) -> None:
     r = post(mclient, batch("fb", [3], stats=STATS, define_tensors=False, events=ev))
     assert r.status_code == 200, r.text
     assert run_value(scrape(mclient), "fp8guard_run_layers_bf16", "fb") == 2
+
+
+def probe_batch(run_id: str, steps: list[int], gaps: dict[int, float], *, segment: int = 0, rank: int = 0,
+                define: bool = True) -> dict[str, Any]:
+    """A batch whose steps in ``gaps`` carry the harm probe's scalars."""
+    recs = []
+    for s in steps:
+        rec: dict[str, Any] = {"step": s, "time": 1.7e9 + s, "loss": 2.0, "grad_norm": 1.0}
+        if s in gaps:
+            rec.update(loss_bf16=2.0, loss_fp8=2.0 * (1 + gaps[s]), fp8_loss_gap=gaps[s])
+        recs.append(rec)
+    return wire.make_batch(run_id=run_id, rank=rank, segment=segment, tensors=tensor_defs(6) if define else (),
+                           steps=recs)
+
+
+def test_fp8_loss_gap(mclient: Any) -> None:
+    """The harm probe's latest gap on rank 0, however many steps since; NaN when it was NaN; no
+    series without a probe, or when its newest probe is older than the look-back."""
+    for run in ("probed", "plain", "nan-gap", "old"):
+        register(mclient, run)
+    post(mclient, probe_batch("probed", list(range(0, 30)), {10: 0.01, 20: 0.03}))
+    post(mclient, probe_batch("probed", [5], {5: 0.5}, rank=1))  # other ranks' probes are not read
+    post(mclient, probe_batch("plain", list(range(0, 30)), {}))
+    post(mclient, probe_batch("nan-gap", [1, 2, 3], {2: 0.02, 3: math.nan}))
+    post(mclient, probe_batch("old", [1, GAP_LOOKBACK_STEPS + 2], {1: 0.04}))
+    s = scrape(mclient)
+    assert run_value(s, "fp8guard_run_fp8_loss_gap", "probed") == pytest.approx(0.03)
+    assert run_value(s, "fp8guard_run_fp8_loss_gap", "plain") is None
+    assert math.isnan(run_value(s, "fp8guard_run_fp8_loss_gap", "nan-gap") or 0.0)
+    assert run_value(s, "fp8guard_run_fp8_loss_gap", "old") is None
+    # a rollback: the newest segment's probes win, even at lower steps; none there yet -> none
+    post(mclient, probe_batch("probed", [15, 16], {}, segment=1, define=False))
+    assert run_value(scrape(mclient), "fp8guard_run_fp8_loss_gap", "probed") is None
+    post(mclient, probe_batch("probed", [17], {17: 0.002}, segment=1, define=False))
+    assert run_value(scrape(mclient), "fp8guard_run_fp8_loss_gap", "probed") == pytest.approx(0.002)
+
+
+def test_fp8_loss_gap_read_is_bounded(mclient: Any) -> None:
+    """The gap comes from the main per-run query (no query per run) and walks the steps key."""
+    engine = mclient.app.state.store.engine
+    for i in range(3):
+        register(mclient, f"q{i}")
+        post(mclient, probe_batch(f"q{i}", [1, 2], {2: 0.01}))
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        s = scrape(mclient)
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+    assert all(run_value(s, "fp8guard_run_fp8_loss_gap", f"q{i}") == pytest.approx(0.01) for i in range(3))
+    steps_reads = [q for q in statements if "FROM steps" in q]
+    assert len(steps_reads) == 1, statements
+    if engine.dialect.name == "sqlite":
+        with engine.connect() as conn:
+            plan = " ".join(str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + steps_reads[0],
+                                                                     (3,) * steps_reads[0].count("?")))
+        assert "SCAN steps" not in plan, plan
 
 
 def test_finished_runs_drop_out(mclient: Any) -> None:

@@ -105,6 +105,7 @@ def _populate(base: str) -> None:
                                losses=[2.0 + 0.05 * i for i in range(49)]))
         assert r.status_code == 200, r.text
         _populate_story(client)
+        _populate_probed(client)
 
 
 STORY_STATS = ("amax", "scale", "saturation")
@@ -172,6 +173,47 @@ def _populate_story(client: httpx.Client) -> None:
     assert r.status_code == 200, r.text
 
 
+PROBE_EVERY = 10
+HARM_STEP = 150
+"""The probe at this step measures a 4 % gap, far over its band; the agent bisects at the next step."""
+
+
+def _probe_gaps() -> dict[int, float]:
+    gaps = {s: 0.002 + 0.0005 * float(np.sin(s)) for s in range(PROBE_EVERY, 200, PROBE_EVERY)}
+    gaps[HARM_STEP] = 0.04
+    return gaps
+
+
+def _populate_probed(client: httpx.Client) -> None:
+    """A run with the harm probe on, through the real ingest API: every 10th step carries loss_fp8,
+    loss_bf16 and fp8_loss_gap; the probe at step 150 leaves the band, a bisection names
+    blocks.1.fc (harm_attributed), and later probes trial it back in FP8 (promotion_trial)."""
+    register(client, "probed")
+    gaps = _probe_gaps()
+    steps = []
+    for s in range(200):
+        rec: dict[str, Any] = {"step": s, "time": 1.7e9 + s, "loss": 3.0 - 0.002 * s, "grad_norm": 1.0}
+        if s in gaps:
+            bf16 = 3.0 - 0.002 * s
+            rec.update(loss_bf16=bf16, loss_fp8=bf16 * (1 + gaps[s]), fp8_loss_gap=gaps[s])
+        steps.append(rec)
+    events = [
+        {"kind": "harm_attributed", "step": HARM_STEP + 1, "data": {
+            "modules": ["blocks.1.fc"], "gap": 0.038, "gap_after": 0.001, "band_high": 0.0075,
+            "probe_step": HARM_STEP, "forwards": 5}},
+        {"kind": "fallback_applied", "step": HARM_STEP + 2, "data": {"modules": ["blocks.1.fc"]}},
+        *({"kind": "promotion_trial", "step": s, "data": {"modules": ["blocks.1.fc"], "gap": 0.0021,
+                                                          "band_high": 0.0075, "harmful": False}}
+          for s in (170, 180)),
+    ]
+    n = 6
+    blocks = [wire.tensor_stats_block(stats=("amax",), steps=list(range(200)), n_tensors=n,
+                                      data=np.ones((200, 1, n), dtype="<f4").tobytes())]
+    r = post(client, wire.make_batch(run_id="probed", tensors=tensor_defs(n), steps=steps, tensor_stats=blocks,
+                                     events=events))
+    assert r.status_code == 200, r.text
+
+
 @pytest.fixture(scope="module")
 def browser(base_url: str) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
@@ -227,7 +269,7 @@ def _clean(page: Any) -> None:
 def test_runs_page(page: Any, base_url: str) -> None:
     _open(page, base_url + "/")
     ids = page.locator("#runs tbody tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
-    assert set(ids) == {"xss-run", "baseline", "rolled", "story"}
+    assert set(ids) == {"xss-run", "baseline", "rolled", "story", "probed"}
     row = page.locator("tr[data-run-id='xss-run']")
     assert XSS_MODEL in row.inner_text()  # shown as text
     assert page.locator("tr[data-run-id='xss-run'] b").count() == 0  # never parsed as HTML
@@ -312,10 +354,10 @@ def test_run_page_tells_the_story(page: Any, base_url: str) -> None:
     assert not [c for c in cells if c.lstrip().startswith("{")], cells
     assert "checkpoint_step" in page.locator("#timeline td.evidence th").all_inner_texts()
     # every chart on one step axis, with the incident markers
-    ranges = page.evaluate("() => ['loss', 'grad', 'precision-strip', 'hm-amax', 'hm-underflows', 'scale']"
+    ranges = page.evaluate("() => ['loss', 'grad', 'gap', 'precision-strip', 'hm-amax', 'hm-underflows', 'scale']"
                            ".map(id => document.getElementById(id)._fullLayout.xaxis.range.map(Math.round))")
     assert all(r == ranges[0] for r in ranges), ranges
-    areas = page.evaluate("() => ['loss', 'grad', 'precision-strip', 'hm-amax', 'hm-saturation', 'hm-underflows', 'scale']"
+    areas = page.evaluate("() => ['loss', 'grad', 'gap', 'precision-strip', 'hm-amax', 'hm-saturation', 'hm-underflows', 'scale']"
                           ".map(id => { const s = document.getElementById(id)._fullLayout._size; return [s.l, Math.round(s.w)]; })")
     assert all(a == areas[0] for a in areas), areas  # the step axes line up on the page
     for div in ("hm-amax", "hm-overflows", "precision-strip", "scale"):
@@ -400,3 +442,75 @@ def test_static_and_errors(base_url: str) -> None:
     assert httpx.get(base_url + "/runs/no-such-run").status_code == 404
     csp = httpx.get(base_url + "/").headers["content-security-policy"]
     assert "script-src 'self'" in csp
+
+
+def _traces(page: Any, div: str) -> dict[str, dict[str, Any]]:
+    return {t["name"]: t for t in page.evaluate(
+        "(id) => document.getElementById(id).data.map(t => ({name: t.name, x: t.x, y: t.y}))", div)}
+
+
+def test_run_page_draws_the_fp8_loss_gap(page: Any, base_url: str) -> None:
+    import torch
+
+    from fp8guard.agent.harm import HarmProbe, ProbeReading
+
+    _open(page, base_url + "/runs/probed")
+    page.wait_for_function("() => (document.getElementById('gap').data || []).length > 0", timeout=10_000)
+    traces = _traces(page, "gap")
+    gaps = _probe_gaps()
+    line = traces["gap per probe"]
+    assert line["x"] == [s for s in gaps if s != HARM_STEP]
+    assert line["y"] == pytest.approx([100 * g for s, g in gaps.items() if s != HARM_STEP])
+    assert traces["out of band"]["x"] == [HARM_STEP]
+    # the band is the agent's own: replay its judgement over the same probes
+    (band,) = [t for name, t in traces.items() if name == "band (recomputed here as the agent does)"]
+    probe = HarmProbe([], interval_steps=PROBE_EVERY, band_z=4.0, min_gap=0.005, warmup_probes=5,
+                      device=torch.device("cpu"))
+    expected = {}
+    for i, (s, g) in enumerate(gaps.items()):
+        if i >= 5:
+            expected[s] = 100 * probe.band_high()
+        probe.judge(ProbeReading(step=s, loss_fp8=0.0, loss_bf16=0.0, gap=g))
+    assert dict(zip(band["x"], band["y"], strict=True)) == pytest.approx(expected)
+    bisection = traces["bisection: gap -> with named modules in BF16"]
+    assert bisection["x"][:2] == [HARM_STEP + 1] * 2 and bisection["y"][:2] == pytest.approx([3.8, 0.1])
+    assert traces["agent's band_high (harm_attributed)"]["y"] == pytest.approx([0.75])
+    assert traces["promotion trial (green: no harm)"]["x"] == [170, 180]
+    # one step axis and the incident markers, the harm attribution among them
+    ranges = page.evaluate("() => ['loss', 'gap', 'hm-amax'].map(id => document.getElementById(id)._fullLayout.xaxis.range)")
+    assert ranges[0] == ranges[1] == ranges[2], ranges
+    assert "FP8 harm attributed" in _traces(page, "loss") and "FP8 harm attributed" in traces
+    # the bisection in the story and the timeline
+    story = page.locator("#incidents").inner_text()
+    assert f"step {HARM_STEP}: FP8 loss gap 3.8 % over its band (0.75 %)" in story, story
+    assert "named blocks.1.fc" in story and "gap 3.8 % -> 0.1 % with them in BF16" in story, story
+    assert "promotion trial of blocks.1.fc x2 to step 180" in story and "no harm (gap 0.21 % <= band 0.75 %)" in story, story
+    lead = page.locator("#story-lead").inner_text()
+    assert "Harm probe, step 190: FP8 costs " in lead, lead
+    timeline = page.locator("#timeline").inner_text()
+    assert "harm attributed" in timeline and "promotion trial (no harm)" in timeline, timeline
+    row = page.locator("#timeline tr", has_text="harm attributed")
+    assert "gap_after" in row.locator("td.evidence th").all_inner_texts()
+    _clean(page)
+
+
+def test_run_page_without_probe_says_how_to_turn_it_on(page: Any, base_url: str) -> None:
+    _open(page, base_url + "/runs/story")
+    page.wait_for_function("() => (document.getElementById('gap').layout || {}).annotations !== undefined", timeout=10_000)
+    notes = page.evaluate("() => document.getElementById('gap').layout.annotations.map(a => a.text)")
+    assert any("monitor.step(loss, loss_fn=...)" in n for n in notes), notes
+    assert "Harm probe" not in page.locator("#story-lead").inner_text()
+    _clean(page)
+
+
+def test_compare_page_without_a_twin(page: Any, base_url: str) -> None:
+    _open(page, base_url + "/compare?run=probed")
+    verdict = page.locator("#verdict").inner_text()
+    latest = 100 * _probe_gaps()[190]
+    assert verdict.startswith(f"FP8 costs {float(f'{latest:.3g}'):g} % of the loss, measured on the run's own batches"), verdict
+    assert "latest probe, step 190" in verdict and "over 19 probes" in verdict and "1 out of band" in verdict, verdict
+    assert _plot_points(page, "diff") >= 19 and _plot_points(page, "losses") == 2 * 19
+    assert page.locator("#cmp-baseline").input_value() == ""
+    _open(page, base_url + "/compare?run=baseline")
+    assert page.locator("#verdict").inner_text().startswith("No harm probe data in run baseline"), page.locator("#verdict").inner_text()
+    _clean(page)

@@ -1,4 +1,6 @@
-/* Compare page: loss(run) - loss(baseline) over steps against the baseline's noise band. */
+/* Compare page: loss(run) - loss(baseline) over steps against the baseline's noise band. Without a
+   baseline (no BF16 twin), the run's measured FP8 harm instead: the harm probe's gap series with
+   its band (harm.js) and the probed batches' loss with FP8 and with BF16. */
 "use strict";
 (function () {
   const F = window.FP8;
@@ -10,7 +12,8 @@
     const runs = await api("/v1/runs", { limit: 1000 });
     const opts = runs.map((r) => [r.run_id, r.run_id + (r.model ? " (" + r.model + ")" : "")]);
     F.fillSelect(document.getElementById("cmp-run"), opts, runId || undefined);
-    F.fillSelect(document.getElementById("cmp-baseline"), opts, baseId || (opts.length > 1 ? opts[1][0] : undefined));
+    const none = [["", "none: the run's own harm probe"]];
+    F.fillSelect(document.getElementById("cmp-baseline"), none.concat(opts), baseId || (runId || opts.length < 2 ? "" : opts[1][0]));
   }
 
   function mid(series, j) {
@@ -46,8 +49,41 @@
   }
   window.FP8.compareAnalyse = analyse;
 
+  /* no twin: what FP8 costs the run, measured on its own batches */
+  async function harmOnly(verdict) {
+    const base = "/v1/runs/" + encodeURIComponent(runId);
+    document.getElementById("title").textContent = runId + ": measured FP8 harm (no BF16 twin)";
+    document.getElementById("diff-h").textContent = "FP8 loss gap, measured on the run's own batches (harm probe)";
+    document.getElementById("losses-h").textContent = "The probed batches' loss with FP8 and with every module in BF16";
+    document.getElementById("cmp-note").textContent = "Each point: one batch's loss evaluated twice with the same weights, "
+      + "FP8 as in training and every FP8 module in high precision; gap = (loss_fp8 - loss_bf16) / loss_bf16. "
+      + "Band: the agent's (median + 4 x 1.4826 MAD of earlier in-band probes, at least 0.5 %), recomputed here. Pick a baseline run to compare two runs instead.";
+    const width = F.widthOf(document.getElementById("diff")) - 80;
+    const [series, harm, trials] = await Promise.all([F.harm.fetch(base, width), api(base + "/events", { kind: "harm_attributed", limit: 10000 }),
+      api(base + "/events", { kind: "promotion_trial", limit: 10000 })]);
+    const events = harm.concat(trials).filter((e) => e.rank === 0).sort((a, b) => (a.step || 0) - (b.step || 0));
+    const fig = F.harm.figure(series, events), sum = F.harm.summary(fig.probes);
+    const last = fig.bands.length ? fig.bands[fig.bands.length - 1] : null;
+    verdict.className = "verdict " + (!sum ? "" : last.out ? "bad" : "ok");
+    verdict.textContent = !sum ? "No harm probe data in run " + runId + ": turn the probe on with monitor.step(loss, loss_fn=...), or pick a baseline run."
+      : "FP8 costs " + F.harm.pct(sum.latest) + " of the loss, measured on the run's own batches (latest probe, step " + sum.step
+        + "; median " + F.harm.pct(sum.median) + " over " + sum.n + " probes" + (sum.outOfBand ? ", " + sum.outOfBand + " out of band" : "") + ")";
+    await Plotly.react("diff", fig.traces, F.baseLayout({ yaxis: F.harm.yaxis, uirevision: "keep", margin: { l: 60, r: 20, t: 50, b: 40 },
+      yaxis2: { overlaying: "y", range: [0, 1], visible: false, fixedrange: true }, legend: { orientation: "h", y: 1.02, yanchor: "bottom", x: 0 },
+      annotations: fig.empty ? F.harm.emptyAnnotation() : [] }), F.plotConfig);
+    const xs = fig.probes.map((q) => q.step);
+    await Plotly.react("losses", [
+      { type: "scatter", mode: "lines+markers", x: xs, y: fig.probes.map((q) => q.bf16), name: "loss_bf16 (every module in high precision)",
+        line: { color: colors.grey, dash: "dash" }, hovertemplate: "loss_bf16 %{y:.5g} at step %{x}<extra></extra>" },
+      { type: "scatter", mode: "lines+markers", x: xs, y: fig.probes.map((q) => q.fp8), name: ptext("loss_fp8 (run " + runId + ", as trained)"),
+        line: { color: colors.blue }, hovertemplate: "loss_fp8 %{y:.5g} at step %{x}<extra></extra>" },
+    ], F.baseLayout({ yaxis: { title: { text: "loss" } }, uirevision: "keep" }), F.plotConfig);
+    window.fp8guardReady = true;
+  }
+
   async function refresh() {
     const verdict = document.getElementById("verdict");
+    if (runId && !baseId) { await harmOnly(verdict); return; }
     if (!runId || !baseId) { verdict.textContent = "Pick a run and a baseline."; window.fp8guardReady = true; return; }
     document.getElementById("title").textContent = runId + " vs baseline " + baseId;
     const [da, db] = await Promise.all([api("/v1/runs/" + encodeURIComponent(runId)), api("/v1/runs/" + encodeURIComponent(baseId))]);

@@ -1,7 +1,8 @@
 /* Run page: what happened (incident summary), scalars, the precision strip, per-tensor heatmaps,
    the scale timeline and the tables; every chart shares one step axis (zooming one zooms all) and
    carries the incident markers. Sets window.fp8guardReady once the heatmaps have rendered
-   (bench/page_load.py waits on it). Drawing helpers: heatmap.js, precision.js, story.js. */
+   (bench/page_load.py waits on it). Drawing helpers: heatmap.js, precision.js, story.js, harm.js
+   (the harm probe's FP8 loss gap), tables.js. */
 "use strict";
 (function () {
   const F = window.FP8;
@@ -14,7 +15,7 @@
     { stat: "overflows", kind: "count", unit: "overflow count", legend: "overflows", title: "Overflows per tensor" },
     { stat: "underflows", kind: "count", unit: "underflow count", legend: "underflows", title: "Underflows per tensor" },
   ];
-  const PLOTS = ["loss", "grad", "precision-strip", "hm-amax", "hm-saturation", "hm-overflows", "hm-underflows", "scale"];
+  const PLOTS = ["loss", "grad", "gap", "precision-strip", "hm-amax", "hm-saturation", "hm-overflows", "hm-underflows", "scale"];
   /* run.js loads before plotly.min.js (both deferred), so the heavy queries start while the
      browser is still parsing plotly; drawing waits for it. */
   const plotlyReady = window.Plotly ? Promise.resolve() : new Promise((resolve) => {
@@ -89,17 +90,27 @@
     const lastSegment = Math.max(0, ...detail.ranks.filter((r) => r.rank === 0).map((r) => r.last_segment));
     const segs = [];
     for (let s = 0; s < lastSegment; s++) segs.push(s);
-    const [eff, ...abandoned] = await Promise.all([
+    const [gap, eff, ...abandoned] = await Promise.all([
+      F.harm.fetch(base, width),
       api(base + "/scalars", { fields: "loss,grad_norm", width }),
       ...segs.map((s) => api(base + "/scalars", { fields: "loss,grad_norm", width, segment: s })),
     ]);
     state.loss = { steps: eff.steps, values: eff.max.loss.map(F.num) };
-    return { eff, abandoned, segs };
+    return { eff, abandoned, segs, gap };
+  }
+
+  /* the harm probe's gap (sparse: one point per probe) with its band and the bisections */
+  async function drawGap(sc, facts) {
+    const fig = F.harm.figure(sc.gap, facts.harm);
+    const layout = F.baseLayout({ shapes: F.story.rollbackShapes(facts.rollbacks), margin: Object.assign({ t: 56 }, state.margin),
+      legend: { orientation: "h", y: 1.02, yanchor: "bottom", x: 0 }, xaxis: xaxis(), yaxis: F.harm.yaxis, yaxis2: F.story.y2,
+      annotations: fig.empty ? F.harm.emptyAnnotation() : [], uirevision: "keep" });
+    await plot(document.getElementById("gap"), fig.traces.concat(marks(facts, false)), layout);
   }
 
   async function drawScalars(sc, facts) {
     const { eff, abandoned, segs } = sc;
-    const marks = F.story.markerTraces(facts.findings, facts.actions), shapes = F.story.rollbackShapes(facts.rollbacks);
+    const mk = marks(facts, true), shapes = F.story.rollbackShapes(facts.rollbacks);
     for (const [field, id, label, color] of [["loss", "loss", "loss", colors.blue], ["grad_norm", "grad", "grad norm", colors.green]]) {
       const traces = [];
       abandoned.forEach((seg, i) => {
@@ -112,26 +123,28 @@
         traces.push(...bandTraces(sub, field, "abandoned, segment " + s, colors.grey,
           { line: { color: colors.grey, width: 1.2, dash: "dash" }, fill: "none" }));
       });
-      traces.push(...bandTraces(eff, field, label, color), ...marks);
+      traces.push(...bandTraces(eff, field, label, color), ...mk);
       await plot(document.getElementById(id), traces, F.baseLayout({ shapes, margin: Object.assign({ t: 56 }, state.margin),
         legend: { orientation: "h", y: 1.02, yanchor: "bottom", x: 0 },
         xaxis: xaxis(), yaxis: { title: { text: label }, zeroline: false }, yaxis2: F.story.y2, uirevision: "keep" }));
     }
   }
 
+  function marks(facts, legend) { return F.story.markerTraces(facts.findings, facts.actions, { legend, harm: facts.harm }); }
+
   /* ---------- precision strip ---------- */
   async function drawStrip(detail, facts) {
     const div = document.getElementById("precision-strip");
     const { traces, rows } = F.precision.stripFigure(facts.hist, state.xRange, detail.last_step);
     div.style.height = (rows.length ? 64 + 26 * rows.length : 70) + "px";
-    const marks = F.story.markerTraces(facts.findings, facts.actions, { legend: false });
+    const mk = marks(facts, false);
     const layout = F.baseLayout({ barmode: "overlay", showlegend: false, margin: Object.assign({ t: 14 }, state.margin), xaxis: xaxis(),
       yaxis: { type: "category", categoryorder: "array", categoryarray: rows.slice().reverse(), automargin: false, tickfont: { size: 10 },
         range: rows.length ? [-0.5, rows.length - 0.5] : [0, 1], showticklabels: rows.length > 0 }, yaxis2: F.story.y2,
       shapes: F.story.rollbackShapes(facts.rollbacks), uirevision: "keep",
       annotations: rows.length ? [] : [{ xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false,
         text: "every module in FP8 throughout (no fallback applied)", font: { color: colors.grey } }] });
-    await plot(div, traces.concat(marks), layout);
+    await plot(div, traces.concat(mk), layout);
   }
 
   /* ---------- heatmaps ---------- */
@@ -165,7 +178,7 @@
       if (!state.order || state.order.length !== m.tensors.length) state.order = groupOrder(m.tensors);
       const absent = F.precision.absentMask(facts.hist, m, state.order);
       const fig = await F.heatmap.figure(m, spec, state.order, { absent, xRange: state.xRange, margin: state.margin,
-        marks: F.story.markerTraces(facts.findings, facts.actions, { legend: false }), shapes: F.story.rollbackOutlines(facts.rollbacks) });
+        marks: marks(facts, false), shapes: F.story.rollbackOutlines(facts.rollbacks) });
       await plotlyReady;
       const old = div.fp8Source;
       await plot(div, fig.traces, fig.layout);
@@ -195,7 +208,7 @@
       annotations: [{ xref: "paper", yref: "paper", x: 0, y: 1, yanchor: "bottom", showarrow: false,
         text: F.ptext(s.tensor.name) + " (grey: module in BF16, values there are not FP8 statistics)", font: { size: 11 } }],
       margin: Object.assign({ t: 24 }, state.margin), uirevision: "keep" });
-    await plot(div, bandTraces(series, "v", s.stat, colors.blue).concat(F.story.markerTraces(facts.findings, facts.actions, { legend: false })), layout);
+    await plot(div, bandTraces(series, "v", s.stat, colors.blue).concat(marks(facts, false)), layout);
   }
 
   function fillPickers(detail, tensors, findings) {
@@ -228,12 +241,14 @@
 
   function drawStory(detail, facts) {
     const list = clear(document.getElementById("incidents"));
-    const items = F.story.incidents(facts.findings, facts.actions, facts.hist, state.loss, detail.last_step);
+    const items = F.story.incidents(facts.findings, facts.actions, facts.hist, state.loss, detail.last_step, facts.harm);
     const lead = document.getElementById("story-lead");
     const bf16 = facts.precision.filter((p) => String(p.precision).toLowerCase() !== "fp8").map((p) => p.module);
     lead.textContent = (items.length ? items.length + (items.length === 1 ? " incident" : " incidents") : "No incidents")
       + " in " + (detail.last_step === null ? 0 : detail.last_step + 1) + " steps. Now: "
-      + (bf16.length ? bf16.length + " module(s) in BF16 (" + bf16.slice(0, 3).join(", ") + (bf16.length > 3 ? ", ..." : "") + ")" : "every module in FP8") + ".";
+      + (bf16.length ? bf16.length + " module(s) in BF16 (" + bf16.slice(0, 3).join(", ") + (bf16.length > 3 ? ", ..." : "") + ")" : "every module in FP8") + "."
+      + (state.gap ? " Harm probe, step " + state.gap.step + ": FP8 costs " + F.harm.pct(state.gap.latest) + " of the loss (median "
+        + F.harm.pct(state.gap.median) + " over " + state.gap.n + " probes)." : "");
     const MAX = 12;
     for (const it of items.slice(0, MAX)) {
       list.appendChild(el("li", { class: "incident", "data-kind": it.kind },
@@ -253,8 +268,9 @@
       api(base + "/events", { limit: 10000 }),
     ]);
     const rollbacks = events.filter((e) => e.kind === "rollback_applied");
+    const harm = events.filter((e) => (e.kind === "harm_attributed" || e.kind === "promotion_trial") && e.rank === 0);
     const hist = F.precision.history(events, actions, precision);
-    return { findings, actions, precision, checkpoints, events, rollbacks, hist };
+    return { findings, actions, precision, checkpoints, events, rollbacks, hist, harm };
   }
 
   /* ---------- refresh loop ---------- */
@@ -275,6 +291,7 @@
     });
     const [facts, scalars] = await Promise.all([factsReady, fetchScalars(detail)]);
     state.facts = facts;
+    state.gap = F.harm.summary(F.harm.probes(scalars.gap));
     await plotlyReady;
     const smallKey = [facts.findings.length, facts.actions.map((a) => a.status).join(","), facts.events.length].join("|");
     const marksChanged = smallKey !== state.smallKey;
@@ -282,7 +299,7 @@
     drawStory(detail, facts);
     if (marksChanged || dataChanged) F.tables.draw(facts);
     const jobs = [ready];
-    if (dataChanged || marksChanged) jobs.push(drawScalars(scalars, facts), drawStrip(detail, facts));
+    if (dataChanged || marksChanged) jobs.push(drawScalars(scalars, facts), drawGap(scalars, facts), drawStrip(detail, facts));
     if (dataChanged && (first || !document.getElementById("tensor-pick").value)) fillPickers(detail, state.tensors, facts.findings);
     if (dataChanged || marksChanged) jobs.push(drawSeries());
     await Promise.all(jobs);

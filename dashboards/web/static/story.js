@@ -1,6 +1,8 @@
 /* The run's story: incidents in plain words (what happened, when, what fp8guard did, the outcome),
-   built from findings, actions and the agent's applied events; and the incident markers that
-   every chart on the run page carries (findings, actions, rollbacks). */
+   built from findings, actions, the agent's applied events and the harm probe's events
+   (harm_attributed: a bisection named the modules that carry FP8's cost; promotion_trial); and the
+   incident markers that every chart on the run page carries (findings, actions, harm
+   attributions, rollbacks). */
 "use strict";
 (function () {
   const F = window.FP8;
@@ -68,8 +70,9 @@
   }
   function median(v) { const s = v.slice().sort((a, b) => a - b); const n = s.length; return n % 2 ? s[(n - 1) / 2] : (s[n / 2 - 1] + s[n / 2]) / 2; }
 
-  /* -> [{ step, severity, what, did, outcome }] in step order; loss: {steps, values} (effective view) */
-  function incidents(findings, actions, hist, loss, lastStep) {
+  /* -> [{ step, severity, what, did, outcome }] in step order; loss: {steps, values} (effective view);
+     harm: the harm_attributed and promotion_trial events */
+  function incidents(findings, actions, hist, loss, lastStep, harm) {
     const byId = new Map(findings.map((f) => [f.id, f]));
     const cited = new Set();
     const out = [];
@@ -112,7 +115,35 @@
           did: "no action", outcome: "" }; } };
     }
     flush();
+    out.push(...probeLines(harm || []));
     out.sort((x, y) => x.step - y.step);
+    return out;
+  }
+
+  /* one line per bisection; promotion trials of one module set in a row as one line */
+  function probeLines(events) {
+    const out = [];
+    let last = null;
+    for (const e of events) {
+      const d = e.data || {}, mods = Array.isArray(d.modules) ? d.modules : [];
+      const names = mods.length > 3 ? mods.slice(0, 3).join(", ") + " +" + (mods.length - 3) : mods.join(", ") || "no modules";
+      if (e.kind === "harm_attributed") {
+        last = null;
+        out.push({ step: has(d.probe_step) ? d.probe_step : e.step, severity: "warning", kind: "harm",
+          what: "FP8 loss gap " + F.harm.pct(F.num(d.gap)) + " over its band (" + F.harm.pct(F.num(d.band_high)) + ")",
+          did: "bisection" + (has(d.forwards) ? " (" + d.forwards + " forwards)" : "") + " at step " + e.step + " named " + names,
+          outcome: "gap " + F.harm.pct(F.num(d.gap)) + " -> " + F.harm.pct(F.num(d.gap_after)) + " with them in BF16" });
+      } else if (e.kind === "promotion_trial") {
+        const key = names + "|" + Boolean(d.harmful);
+        const verdict = (d.harmful ? "harmful, stays in BF16" : "no harm") + " (gap " + F.harm.pct(F.num(d.gap))
+          + (d.harmful ? " > " : " <= ") + "band " + F.harm.pct(F.num(d.band_high)) + ")";
+        if (last && last.key === key) { last.n++; last.line.what = "promotion trial of " + names + " x" + last.n + " to step " + e.step; last.line.outcome = "last: " + verdict; continue; }
+        const line = { step: e.step, severity: d.harmful ? "warning" : "info", kind: "trial",
+          what: "promotion trial of " + names, did: "tried back in FP8 inside the probe (training stays in BF16)", outcome: verdict };
+        last = { key, n: 1, line };
+        out.push(line);
+      }
+    }
     return out;
   }
   function uniq(xs) { return [...new Set(xs)]; }
@@ -121,6 +152,7 @@
      even for hundreds), a marker at the top carries the hover text; rollbacks as shaded stretches */
   function markerTraces(findings, actions, opts) {
     const legend = !(opts && opts.legend === false);
+    const harm = ((opts && opts.harm) || []).filter((e) => e.kind === "harm_attributed" && e.data);
     const groups = new Map();
     const add = (key, name, color, dash, x, hover) => {
       if (!groups.has(key)) groups.set(key, { name, color, dash, lx: [], ly: [], px: [], ph: [] });
@@ -135,6 +167,8 @@
       add("a-" + a.kind, "action: " + a.kind, ACT[a.kind] || colors.grey, "dash", x,
         ptext(a.kind + " (" + a.status + "), decided at step " + a.step + ", applied at " + x) + "<br>" + ptext(a.reason).slice(0, 300));
     }
+    for (const e of harm) add("harm", "FP8 harm attributed", colors.purple, "dashdot", e.step,
+      ptext(F.harm.harmText(e)));
     const traces = [];
     for (const g of groups.values()) {
       traces.push({ type: "scatter", mode: "lines", x: g.lx, y: g.ly, yaxis: "y2", name: g.name, legendgroup: g.name,

@@ -1,4 +1,5 @@
-/* Run page tables: findings, decisions and agent events in step order (evidence and payloads as
+/* Run page tables: findings, decisions, agent events and the harm probe's bisections and promotion
+   trials in step order (evidence and payloads as
    key/value tables, not raw JSON), each module's current precision, the checkpoints. */
 "use strict";
 (function () {
@@ -60,6 +61,15 @@
         for (const k of keys) diff[k] = (k in before ? JSON.stringify(before[k]) : "default") + " -> " + (k in after ? JSON.stringify(after[k]) : "default");
         rows.push({ step: e.step, order: 2, source: "audit", what: el("span", { text: "guard changed by " + e.data.by }),
           text: keys.map((k) => k + ": " + diff[k]).join("; "), evidence: F.kvTable(diff) });
+        continue;
+      }
+      if (e.kind === "harm_attributed" || e.kind === "promotion_trial") {
+        const d = e.data || {};
+        const harm = e.kind === "harm_attributed";
+        rows.push({ step: e.step, order: 2, source: "harm probe",
+          what: el("span", { class: harm || d.harmful ? "sev-warning" : "sev-info",
+            text: harm ? "harm attributed" : "promotion trial (" + (d.harmful ? "harmful" : "no harm") + ")" }),
+          text: harm ? F.harm.harmText(e) : F.harm.trialText(e), evidence: F.kvTable(d) });
         continue;
       }
       if (!["rollback_applied", "fallback_applied", "promotion_applied"].includes(e.kind)) continue;
