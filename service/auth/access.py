@@ -27,10 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Path, Request, Security
 from fastapi.security import APIKeyCookie, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
+from fp8guard import wire
 from fp8guard.service.auth import tokens
 from fp8guard.service.domain import TokenRecord
 from fp8guard.service.errors import Forbidden, Unauthorized
@@ -232,7 +233,8 @@ def require(role: Role) -> Callable[..., Any]:
     return dependency
 
 
-async def follow_run(request: Request, run_id: str, _b: Annotated[object, Security(_bearer)],
+async def follow_run(request: Request, run_id: Annotated[str, Path(pattern=wire.RUN_ID_PATTERN)],
+                     _b: Annotated[object, Security(_bearer)],
                      _c: Annotated[object, Security(_cookie)]) -> Principal:
     """A reader, or an ingest token on a run it may write (the agent long-polls its commands)."""
     auth = authenticator(request)
