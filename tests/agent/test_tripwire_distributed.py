@@ -21,15 +21,21 @@ from bench._serve import serve
 
 POISON = 25
 WORLD = 2
+WAIT_S = 2.0
+"""Rank 0's longest wait for the decision at the extra broadcast (default 0.25 s; it ends as soon
+as the command arrives). This test box has 2 cores shared with other jobs: a loaded service
+sometimes took longer than 0.25 s to decide, and the command then applied at a later broadcast.
+Every cadence is the default; docs/closed-loop.md has the figures measured at the defaults."""
 
 
-def _torchrun(base: str, run_id: str, out: Path, poison: int, steps: int, injection: str = "nan") -> list[dict[str, Any]]:
+def _torchrun(base: str, run_id: str, out: Path, poison: int, steps: int, injection: str = "nan",
+              wait_s: float = WAIT_S) -> list[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("FP8GUARD_RUN_ID", None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--standalone",
          str(Path(__file__).with_name("tripwire_worker.py")), base, run_id, str(out), str(poison), str(steps),
-         injection],
+         injection, str(wait_s)],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,7 +8,8 @@ injection: ``nan`` (default) makes only the LAST rank's loss NaN at the poisoned
 gradients go through DDP's all-reduce, so every rank's gradient norm (the tripwire's shared
 quantity) is NaN at that step while rank 0's own loss stays finite. ``outlier`` multiplies one
 MLP input by 1000 on the last rank only, with ``tripwire_all_reduce``: a saturation only that
-rank sees. Each rank writes the commands it applied and the steps at which it entered a command
+rank sees. Then, optionally, ``tripwire_wait_s`` and ``tripwire_lag_steps`` (defaults: the
+config's). Each rank writes the commands it applied and the steps at which it entered a command
 broadcast."""
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class RecordingRemediator(Remediator):
 def main() -> None:
     url, run_id, out_dir, poison, steps = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     injection = sys.argv[6] if len(sys.argv) > 6 else "nan"
+    wait_s = float(sys.argv[7]) if len(sys.argv) > 7 else MonitorConfig.tripwire_wait_s
+    lag = int(sys.argv[8]) if len(sys.argv) > 8 else MonitorConfig.tripwire_lag_steps
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same initial weights on every rank
@@ -58,7 +61,8 @@ def main() -> None:
                               load_data_state=lambda s: setattr(data, "position", int(s["position"])),
                               every_n_steps=5, keep_last=5)
     monitor = Monitor(MonitorConfig(url=url, run_id=run_id, model_name="ddp-tiny-tripwire",
-                                    tripwire_all_reduce=injection == "outlier"))
+                                    tripwire_all_reduce=injection == "outlier", tripwire_wait_s=wait_s,
+                                    tripwire_lag_steps=lag))
     at = {"step": -1}
     if injection == "outlier" and rank == world - 1:
         def outlier(_: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
