@@ -46,8 +46,9 @@ class RecordingRemediator(Remediator):
 def main() -> None:
     url, run_id, out_dir, poison, steps = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     injection = sys.argv[6] if len(sys.argv) > 6 else "nan"
-    wait_s = float(sys.argv[7]) if len(sys.argv) > 7 else MonitorConfig.tripwire_wait_s
-    lag = int(sys.argv[8]) if len(sys.argv) > 8 else MonitorConfig.tripwire_lag_steps
+    defaults = MonitorConfig()
+    wait_s = float(sys.argv[7]) if len(sys.argv) > 7 else defaults.tripwire_wait_s
+    lag = int(sys.argv[8]) if len(sys.argv) > 8 else defaults.tripwire_lag_steps
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same initial weights on every rank
