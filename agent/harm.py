@@ -235,17 +235,22 @@ class HarmProbe:
                            band_high=self.band_high(), forwards=self.forwards - start)
 
     def trial(self, step: int, loss_fn: LossFn, modules: Sequence[str]) -> Trial:
-        """The gap with ``modules`` (held in BF16 by training) back in FP8, against every module
-        in high precision. sync point (rare): only while modules are held in BF16."""
+        """The gap with ``modules`` (held in BF16 by training) back in FP8 with fresh FP8 state, as
+        a re-promotion would start them, against every module in high precision. sync point
+        (rare): only while modules are held in BF16."""
         everything_bf16 = dict.fromkeys(self.precision(), False)
-        tried, reference = (float(v) for v in self._losses(loss_fn, [dict.fromkeys(modules, True), everything_bf16]))
+        tried, reference = (float(v) for v in self._losses(loss_fn, [dict.fromkeys(modules, True), everything_bf16],
+                                                            prime=modules))
         return Trial(step=step, modules=list(modules), gap=(tried - reference) / reference,
                      band_high=self.band_high())
 
     # -- the forwards ----------------------------------------------------------------------------------
 
-    def _losses(self, loss_fn: LossFn, plans: Sequence[Mapping[str, bool]]) -> list[torch.Tensor]:
-        """``loss_fn()`` once per plan (module -> FP8?), from one RNG state, leaving no trace."""
+    def _losses(self, loss_fn: LossFn, plans: Sequence[Mapping[str, bool]],
+                prime: Sequence[str] = ()) -> list[torch.Tensor]:
+        """``loss_fn()`` once per plan (module -> FP8?), from one RNG state, leaving no trace. The
+        modules in ``prime`` that a plan puts in FP8 first run one forward whose amaxes set their
+        scales (``settle``): a trial measures them at the scale their own values give."""
         cuda = torch.cuda.is_available() and self.device.type == "cuda"
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
@@ -257,6 +262,15 @@ class HarmProbe:
                     if cuda_rng is not None:
                         torch.cuda.set_rng_state(cuda_rng, self.device)
                     with self._plan(plan):
+                        primed = [m for m in prime if plan.get(m)]
+                        if primed:
+                            loss_fn()
+                            self.forwards += 1
+                            for source in self.sources:
+                                source.settle(primed)
+                            torch.set_rng_state(cpu_rng)
+                            if cuda_rng is not None:
+                                torch.cuda.set_rng_state(cuda_rng, self.device)
                         out.append(loss_fn().detach().float().reshape(()))
                     self.forwards += 1
         finally:

@@ -53,6 +53,8 @@ class Scenario:
     heal_batches: int = 60
     heal_ramp_batches: int = 20
     checkpoint_every: int = 25
+    harm_interval: int = 10
+    """The agent's harm probe (two extra forwards) every this many steps; 0: off (numerics alone)."""
 
     def replace(self, **kw: Any) -> Scenario:
         return dataclasses.replace(self, **kw)
@@ -96,7 +98,8 @@ def train(sc: Scenario, *, url: str | None, run_id: str, workdir: Path, flush_st
     current = {"batch": -1}
     before_step, after_backward = _injection(sc, model, lambda: current["batch"])
     monitor = Monitor(MonitorConfig(url=url, run_id=run_id, model_name="byte-gpt-2x64", flush_interval_steps=flush_steps,
-                                    count_interval_steps=0, run_config={"scenario": sc.name, "kind": sc.kind}),
+                                    count_interval_steps=0, harm_interval_steps=sc.harm_interval,
+                                    run_config={"scenario": sc.name, "kind": sc.kind}),
                       transport=None if url else NullTransport())
     checkpoints = CheckpointManager(workdir / f"ckpt-{run_id}", model=model, optimizer=opt, scheduler=sched,
                                     data_state=lambda: {"position": data.position},
@@ -123,7 +126,7 @@ def train(sc: Scenario, *, url: str | None, run_id: str, workdir: Path, flush_st
         after_backward(step)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         fp8.update()
-        monitor.step(loss, step=step, tokens=(step + 1) * x.numel())
+        monitor.step(loss, step=step, tokens=(step + 1) * x.numel(), loss_fn=lambda x=x, y=y: model(x, y)[1])
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

@@ -6,8 +6,10 @@ service started in-process on SQLite. Two instabilities are *injected*, honestly
 
 1. a window of "poisoned" data batches carries activation outliers: the input of one MLP
    projection is multiplied by ``outlier_scale`` for those batches, as outlier features do in
-   large models. Its amax climbs; the service sees it in the FP8 numerics and falls that layer
-   back to BF16, then re-promotes it with a fresh amax history once it has been clean a while;
+   large models. Its amax climbs and the FP8 rules see it; the agent's harm probe (every 10
+   steps here) measures what FP8 costs the loss on the same batches, finds no harm (the gap stays
+   in its band, about 0.1 %), so the service alerts and leaves the layer in FP8, where a
+   numerics-only policy would have switched it to BF16 for nothing;
 2. an aggressive learning-rate phase (``lr_burst_factor`` x the base rate): the loss spikes;
    the service rolls the run back to a known-good checkpoint before the onset, skips the bad
    window's batches and lowers the learning rate for a while.
@@ -60,12 +62,21 @@ class DemoResult:
     findings: list[dict[str, Any]] = field(default_factory=list)
     actions: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    """The harm probe's fp8_loss_gap at each probe of the guarded run."""
     seconds: float = 0.0
 
     @property
     def recovered(self) -> bool:
         """The guarded run ended finite and at least as good as just before the incident."""
         return math.isfinite(self.guarded_final_loss) and self.guarded_final_loss <= self.pre_incident_loss * 1.02
+
+    def gap_summary(self) -> dict[str, Any]:
+        """What FP8 cost the loss, as the harm probe measured it, and the modules it blamed."""
+        finite = sorted(g for g in self.gaps if math.isfinite(g))
+        blamed = [e["data"].get("modules") for e in self.events if e["kind"] == "harm_attributed"]
+        return {"probes": len(self.gaps), "median": round(finite[len(finite) // 2], 5) if finite else None,
+                "max": round(finite[-1], 5) if finite else None, "attributed": blamed[0] if blamed else None}
 
     def steps_to_apply(self) -> list[int]:
         """Per applied command: steps from the first step its findings saw the anomaly to the step
@@ -90,6 +101,7 @@ class DemoResult:
             "unguarded_final_loss": None if self.unguarded_final_loss is None else round(self.unguarded_final_loss, 4),
             "steps_to_apply": latency,
             "max_steps_to_apply": max(latency, default=None),
+            "fp8_loss_gap": self.gap_summary(),
             "run_id": self.run_id,
             "seconds": round(self.seconds, 1),
         }
@@ -190,8 +202,9 @@ def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, work
 
     target = model.get_submodule("blocks.1.mlp_proj")
     target.register_forward_pre_hook(outlier)
+    # The harm probe every 10 steps (a 300-step demo; real runs: every 200): two extra forwards.
     monitor = Monitor(MonitorConfig(url=url, run_id=run_id, model_name="byte-gpt-2x64", flush_interval_steps=5,
-                                    command_check_interval_steps=5, count_interval_steps=5,
+                                    command_check_interval_steps=5, count_interval_steps=5, harm_interval_steps=10,
                                     run_config={"demo": True, "guarded": guarded}, token=token),
                       transport=None if url else NullTransport())
     checkpoints = CheckpointManager(workdir / ("ckpt-guarded" if guarded else "ckpt-unguarded"), model=model,
@@ -210,9 +223,10 @@ def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, work
         x, y = data.next()
         _, loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the norm before clipping
         fp8.update()
-        monitor.step(loss, step=step, tokens=(step + 1) * x.numel())
+        monitor.step(loss, grad_norm=norm, step=step, tokens=(step + 1) * x.numel(),
+                     loss_fn=lambda x=x, y=y: model(x, y)[1])
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -263,6 +277,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         findings=api.get(f"/v1/runs/{run_id}/findings").json(),
         actions=api.get(f"/v1/runs/{run_id}/actions").json(),
         events=api.get(f"/v1/runs/{run_id}/events").json(),
+        gaps=[g for g in api.get(f"/v1/runs/{run_id}/scalars",
+                                 params={"fields": "fp8_loss_gap", "width": 10_000}).json()["max"]["fp8_loss_gap"]
+              if g is not None],
         seconds=time.monotonic() - started,
     )
     api.close()
@@ -277,7 +294,8 @@ def print_summary(result: DemoResult, echo: Any) -> None:
     rows += [(a["step"], "decision", f"{a['kind']} ({a['status']}): {a['reason']}") for a in result.actions
              if a["kind"] != "alert"]
     rows += [(e["step"], "agent", f"{e['kind']} {json.dumps({k: v for k, v in e['data'].items() if k in ('command_id', 'checkpoint_step', 'modules', 'skip_batches')})}")
-             for e in result.events if e["kind"] in ("rollback_applied", "fallback_applied", "promotion_applied")]
+             for e in result.events if e["kind"] in ("rollback_applied", "fallback_applied", "promotion_applied",
+                                                     "harm_attributed")]
     for step, who, text in sorted(rows, key=lambda r: (r[0] or 0, r[1])):
         echo(f"  step {step:>5}  {who:<8}  {text}")
     echo("")
@@ -285,6 +303,11 @@ def print_summary(result: DemoResult, echo: Any) -> None:
     echo(f"Final loss, guarded:      {result.guarded_final_loss:.4f}")
     if result.unguarded_final_loss is not None:
         echo(f"Final loss, unguarded:    {result.unguarded_final_loss:.4f}")
+    gap = result.gap_summary()
+    if gap["probes"]:
+        blamed = f"; harm attributed to {', '.join(gap['attributed'])}" if gap["attributed"] else ""
+        echo(f"FP8 cost to the loss (harm probe, {gap['probes']} probes): median {100 * gap['median']:.2f} %, "
+             f"max {100 * gap['max']:.2f} %{blamed}")
     latency = result.steps_to_apply()
     if latency:
         echo(f"Steps from anomaly to applied command: {', '.join(map(str, latency))} (max {max(latency)})")

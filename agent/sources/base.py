@@ -13,7 +13,7 @@ Rows of ``out`` (shape ``[len(STATS), n]``, one column per operand of this sourc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -107,7 +107,16 @@ class ProbeableSource(SwitchableSource, Protocol):
 
     def probe(self, fp8: Mapping[str, bool]) -> AbstractContextManager[None]:
         """For the forwards inside: the named modules in FP8 (True) or high precision (False),
-        the others as in training. On exit every module's precision, its FP8 state (amax
-        histories, scales, counts) and this source's own telemetry are as they were: the probe
-        changes nothing that training or the next ``read`` sees. Host work only, no sync."""
+        the others as in training. A module that training holds in high precision and the probe
+        puts in FP8 (a promotion trial) starts from fresh FP8 state, as a re-promotion would. On
+        exit every module's precision, its FP8 state (amax histories, scales, counts) and this
+        source's own telemetry are as they were: the probe changes nothing that training or the
+        next ``read`` sees. Host work only, no sync."""
+        ...
+
+    def settle(self, modules: Collection[str]) -> None:
+        """Inside ``probe``: update the named modules' FP8 scales from the amaxes the last probe
+        forward recorded, as training's step would (delayed scaling), so a trial's next forward
+        runs at the scale its own values set; a no-op where scales are dynamic or the library
+        updates them itself."""
         ...

@@ -6,13 +6,14 @@ the one the update just consumed (row -1 of the history after the roll, as in TE
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from fp8guard.agent.emulation import Fp8EmulatedLinear
+from fp8guard.agent.fp8 import compute_scale
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, TensorSpec
 
 __all__ = ["EmulationSource"]
@@ -110,6 +111,8 @@ class EmulationSource:
         try:
             for name, m in self._modules:
                 if name in fp8:
+                    if fp8[name] and not m.fp8_enabled:
+                        m.reset_fp8_state()  # a trial: FP8 as a re-promotion would start it
                     m.fp8_enabled = fp8[name]
             yield
         finally:
@@ -118,6 +121,14 @@ class EmulationSource:
                     m.fp8_enabled = enabled
                     for k, b in m.named_buffers(recurse=False):
                         b.copy_(buffers[k])
+
+    @torch.no_grad()
+    def settle(self, modules: Collection[str]) -> None:
+        """The forward scales of the named modules from the amax their last forward recorded
+        (row 0 of the history), as ``Fp8Emulation.update`` would set them (margin 0)."""
+        for name, m in self._modules:
+            if name in modules:
+                m.fp8_scale_fwd.copy_(compute_scale(m.fp8_amax_history_fwd[0], m.fp8_scale_fwd, m.fwd_format.fp8_max))
 
     def set_fp8(self, modules: Sequence[str] | None, enabled: bool) -> None:
         """BF16 fallback (enabled=False) or re-promotion with a fresh amax history and scale."""

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -801,6 +801,9 @@ class TESource:
     def precision(self) -> dict[str, bool]:
         return {name: "_fp8guard_forward" not in m.__dict__ for name, m in self._switchable}
 
+    def settle(self, modules: Collection[str]) -> None:
+        """TE updates forward scales itself when the probe forward's autocast exits."""
+
     @contextmanager
     def probe(self, fp8: Mapping[str, bool]) -> Iterator[None]:
         """Probe forwards run under ``no_grad`` (this source's hooks skip them). Under delayed
@@ -816,7 +819,8 @@ class TESource:
         try:
             for name, module in self._switchable:
                 if name in fp8:
-                    self._switch(module, fp8[name], reset=False)
+                    # a trial (a module held in BF16, tried in FP8) starts fresh, as a re-promotion would
+                    self._switch(module, fp8[name], reset=fp8[name] and not before[name])
             yield
         finally:
             for name, module in self._switchable:

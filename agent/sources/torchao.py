@@ -21,7 +21,7 @@ switches modules through :class:`TorchaoSwitch` without knowing torchao.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -139,6 +139,9 @@ class TorchaoSwitch:
 
     def precision(self) -> dict[str, bool]:
         return {name: in_fp8(m) for name, m in self._modules}
+
+    def settle(self, modules: Collection[str]) -> None:
+        """torchao scales each tensor from its own amax: nothing to settle."""
 
     @contextmanager
     def probe(self, fp8: Mapping[str, bool]) -> Iterator[None]:

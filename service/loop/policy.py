@@ -246,9 +246,11 @@ def promotions(view: RunView, cfg: GuardConfig) -> list[Decision]:
 
 def promotion_wait(view: RunView, module: str, cfg: GuardConfig) -> int:
     """Clean steps a module in BF16 waits: ``promote_after_steps``, doubled by each harmful trial
-    since its fallback (a module that fails its trial waits longer)."""
+    once it was due (a module that fails its trial waits longer; trials during its first wait,
+    while the incident may still be on, are only its evidence)."""
     since = view.bf16.get(module, 0)
-    failures = sum(1 for t in view.trials if t.module == module and t.step >= since and t.harmful)
+    due = since + cfg.promote_after_steps
+    failures = sum(1 for t in view.trials if t.module == module and t.step >= due and t.harmful)
     return int(cfg.promote_after_steps * 2 ** min(failures, 16))
 
 

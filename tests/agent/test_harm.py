@@ -151,7 +151,7 @@ def test_trial_says_harmful_for_the_guilty_module_only() -> None:
         _loss(model, x, y).backward()
         fp8.update()
         model.zero_grad()
-    _poison(model, 1)
+    _poison(model, 1, 1e5)  # harmful even at the fresh scale a trial (and a re-promotion) starts from
     y = _teacher(model, x)
     source = EmulationSource.discover(model)
     assert source is not None

@@ -62,10 +62,11 @@ def test_promotion_waits_for_a_harmless_trial_and_backs_off_after_a_harmful_one(
     assert promotions(_view(400, bf16=bf16, harm_probed=True), cfg) == []  # probing: no trial yet
     passed = (TrialRecord(350, "l1", False),)
     assert [d.modules for d in promotions(_view(400, bf16=bf16, harm_probed=True, trials=passed), cfg)] == [("l1",)]
-    failed = (TrialRecord(250, "l1", True), TrialRecord(350, "l1", False))
-    view = _view(350, bf16=bf16, harm_probed=True, trials=failed, last_finding_step={"l1": 250})
-    assert promotions(view, cfg) == []  # 100 clean steps since the failed trial, but the wait doubled
-    later = _view(450, bf16=bf16, harm_probed=True, trials=failed, last_finding_step={"l1": 250})
+    # harmful at 240 (its first wait: evidence only) and at 310 (due since 300: the wait doubles)
+    failed = (TrialRecord(240, "l1", True), TrialRecord(310, "l1", True), TrialRecord(350, "l1", False))
+    view = _view(420, bf16=bf16, harm_probed=True, trials=failed, last_finding_step={"l1": 310})
+    assert promotions(view, cfg) == []  # 110 clean steps since the failed trial, but the wait is 200 now
+    later = _view(520, bf16=bf16, harm_probed=True, trials=failed, last_finding_step={"l1": 310})
     assert [d.modules for d in promotions(later, cfg)] == [("l1",)]
 
 
