@@ -66,7 +66,7 @@
     const last = fig.bands.length ? fig.bands[fig.bands.length - 1] : null;
     verdict.className = "verdict " + (!sum ? "" : last.out ? "bad" : "ok");
     verdict.textContent = !sum ? "No harm probe data in run " + runId + ": turn the probe on with monitor.step(loss, loss_fn=...), or pick a baseline run."
-      : "FP8 costs " + F.harm.pct(sum.latest) + " of the loss, measured on the run's own batches (latest probe, step " + sum.step
+      : F.harm.costText(sum.latest) + ", measured on the run's own batches (latest probe, step " + sum.step
         + "; median " + F.harm.pct(sum.median) + " over " + sum.n + " probes" + (sum.outOfBand ? ", " + sum.outOfBand + " out of band" : "") + ")";
     await Plotly.react("diff", fig.traces, F.baseLayout({ yaxis: F.harm.yaxis, uirevision: "keep", margin: { l: 60, r: 20, t: 50, b: 40 },
       yaxis2: { overlaying: "y", range: [0, 1], visible: false, fixedrange: true }, legend: { orientation: "h", y: 1.02, yanchor: "bottom", x: 0 },

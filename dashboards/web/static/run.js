@@ -247,7 +247,7 @@
     lead.textContent = (items.length ? items.length + (items.length === 1 ? " incident" : " incidents") : "No incidents")
       + " in " + (detail.last_step === null ? 0 : detail.last_step + 1) + " steps. Now: "
       + (bf16.length ? bf16.length + " module(s) in BF16 (" + bf16.slice(0, 3).join(", ") + (bf16.length > 3 ? ", ..." : "") + ")" : "every module in FP8") + "."
-      + (state.gap ? " Harm probe, step " + state.gap.step + ": FP8 costs " + F.harm.pct(state.gap.latest) + " of the loss (median "
+      + (state.gap ? " Harm probe, step " + state.gap.step + ": " + F.harm.costText(state.gap.latest) + " (median "
         + F.harm.pct(state.gap.median) + " over " + state.gap.n + " probes)." : "");
     const MAX = 12;
     for (const it of items.slice(0, MAX)) {
