@@ -129,11 +129,12 @@ class HarmProbe:
             out.update(source.precision())
         return out
 
-    def on_step(self, step: int, loss_fn: LossFn, *, alone: bool) -> StepWork:
+    def on_step(self, step: int, loss_fn: LossFn, *, alone: bool, force: bool = False) -> StepWork:
         """One step's work: read the last probe (never waits) and, if its gap left the band,
-        bisect; measure when due; trial the modules training holds in BF16. Bisection and trials
-        need one process (``alone``): under torch.distributed every rank only measures, at the
-        same steps, since a sharded model's forward is a collective."""
+        bisect; measure when due (or ``force``d: the tripwire saw an anomaly, does it cost the
+        loss?); trial the modules training holds in BF16. Bisection and trials need one process
+        (``alone``): under torch.distributed every rank only measures, at the same steps, since
+        a sharded model's forward is a collective."""
         work = StepWork()
         reading = self.poll()
         if reading is not None and self.judge(reading) and alone:
@@ -145,7 +146,7 @@ class HarmProbe:
                     "probe_step": reading.step, "gap": found.gap, "gap_after": found.gap_after,
                     "band_high": found.band_high, "modules": found.modules, "forwards": found.forwards}))
                 work.hurry = True
-        if not self.due(step):
+        if not (self.due(step) or force):
             return work
         work.measured = self.measure(step, loss_fn)
         held = [name for name, fp8 in self.precision().items() if not fp8]

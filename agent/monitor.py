@@ -76,6 +76,8 @@ class Monitor:
         self._inbox: deque[Command] = deque()
         self._tripwire: Tripwire | None = None
         self._harm: HarmProbe | None = None
+        self._probe_now = False
+        """The tripwire fired: run the harm probe at this step, due or not."""
         self._listener: CommandListener | None = None
         self._urgent_until: int | None = None
         """After the tripwire fired: check commands at every step boundary up to this step."""
@@ -235,10 +237,14 @@ class Monitor:
         if fired is None:
             return
         log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
-        self._tripwire_hurry(current)
+        self._hurry(current)
+        # Does the anomaly cost the loss? Probe this step (one process: a rank-local trip must
+        # not start forwards that other ranks of a sharded model would not join).
+        self._probe_now = self.world_size == 1
 
-    def _tripwire_hurry(self, current: int) -> None:
-        """Ship what is recorded now and listen for the decision; this rank's work only."""
+    def _hurry(self, current: int) -> None:
+        """Ship what is recorded now and listen for the decision (a tripped tripwire, a measured
+        harm); this rank's work only."""
         self._flush()
         self._urgent_until = current + self.config.command_check_interval_steps
         self._urgent_waited = False
@@ -299,7 +305,7 @@ class Monitor:
             log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", verdict.step)
             if self.reporting and not self._broken:
                 try:
-                    self._tripwire_hurry(current)
+                    self._hurry(current)
                 except Exception:
                     log.exception("fp8guard: shipping after the tripwire failed")
         if self.world_size == 1 or not verdict.shared:
@@ -346,8 +352,9 @@ class Monitor:
         the probe off, never the monitor."""
         if self._harm is None or loss_fn is None:
             return None
+        force, self._probe_now = self._probe_now, False
         try:
-            done = self._harm.on_step(current, loss_fn, alone=self.world_size == 1)
+            done = self._harm.on_step(current, loss_fn, alone=self.world_size == 1, force=force)
         except Exception:
             self._harm = None
             log.exception("fp8guard: the harm probe failed and is now off for this run; monitoring continues")
@@ -357,15 +364,6 @@ class Monitor:
         if done.hurry:
             self._hurry(current)
         return done.measured
-
-    def _hurry(self, current: int) -> None:
-        """Ship what is recorded now and listen for the decision (a measured harm, like a tripped
-        tripwire, should not wait for the next flush)."""
-        self._flush()
-        self._urgent_until = current + self.config.command_check_interval_steps
-        self._urgent_waited = False
-        if self._listener is not None:
-            self._listener.listen(30.0, after=max(self._applied_ids, default=0))
 
     def _record(self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | float | None,
                 lr: float | torch.Tensor | None, tokens: int | None, step: int | None,

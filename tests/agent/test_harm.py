@@ -208,3 +208,28 @@ def test_torchao_modules_probe_too() -> None:
     assert gap == pytest.approx((fp8_loss - bf16_loss) / bf16_loss)
     assert all(harm.precision().values())  # back in FP8 after the probe
     monitor.close()
+
+
+def test_a_tripped_tripwire_probes_at_once(tmp_path: Path) -> None:
+    """With probes due only every 1,000 steps, the saturation the tripwire sees makes the next
+    step probe anyway: measured harm within a few steps of the anomaly, not at the next due probe."""
+    model, fp8, opt, x, _ = _setup()
+    y = _teacher(model, x)
+    path = tmp_path / "t.jsonl"
+    monitor = Monitor(MonitorConfig(run_id="harm", harm_interval_steps=1000, flush_interval_steps=4),
+                      transport=JsonlFileTransport(path))
+    monitor.attach(model, opt)
+    for step in range(16):
+        if step == 9:
+            _poison(model, 3, 1e5)
+        loss = _loss(model, x, y)
+        loss.backward()
+        fp8.update()
+        monitor.step(loss, loss_fn=lambda: _loss(model, x, y))
+        opt.zero_grad()
+    monitor.close()
+    steps, events = _records(path)
+    probed = [s["step"] for s in steps if "fp8_loss_gap" in s]
+    assert probed and 9 < probed[0] <= 12, probed
+    found = [e for e in events if e["kind"] == "harm_attributed"]
+    assert found and found[0]["data"]["modules"] == ["layers.3"] and found[0]["step"] <= 13
