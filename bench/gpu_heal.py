@@ -89,6 +89,9 @@ class HealConfig:
     """An aggressive learning-rate phase: the rate times this for ``lr_burst_steps`` from ``incident``."""
     lr_burst_steps: int = 40
     checkpoint_every: int = 25
+    harm_interval: int = 25
+    """The harm probe every this many steps in both FP8 runs (plus whenever the tripwire fires);
+    0 runs the policy on numerics alone, as before the probe existed."""
     val_batches: int = 20
     seed: int = 0
 
@@ -175,7 +178,8 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
     if fp8:
         monitor = Monitor(MonitorConfig(url=url, run_id=run_id, model_name=f"byte-gpt-{cfg.n_layer}x{cfg.n_embd}",
                                         flush_interval_steps=5, command_check_interval_steps=5,
-                                        count_interval_steps=10, run_config={"bench": "gpu_heal", "mode": mode}),
+                                        count_interval_steps=10, harm_interval_steps=cfg.harm_interval,
+                                        run_config={"bench": "gpu_heal", "mode": mode}),
                           transport=None if url else NullTransport())
     checkpoints = CheckpointManager(workdir / f"ckpt-{mode}", model=model, optimizer=opt, scheduler=sched,
                                     data_state=lambda: {"position": data.position},
@@ -198,7 +202,8 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
         if emu is not None:
             emu.update()
         if monitor is not None:
-            monitor.step(loss, grad_norm=norm, step=step, tokens=(step + 1) * x.numel())
+            monitor.step(loss, grad_norm=norm, step=step, tokens=(step + 1) * x.numel(),
+                         loss_fn=lambda x=x, y=y: forward(x.to(device), y.to(device)))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -290,6 +295,7 @@ def main() -> None:
     parser.add_argument("--history", type=int)
     parser.add_argument("--target-blocks", dest="target_blocks")
     parser.add_argument("--target-linear", dest="target_linear")
+    parser.add_argument("--harm-interval", dest="harm_interval", type=int)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cfg = HealConfig(backend=args.backend)
@@ -297,7 +303,7 @@ def main() -> None:
         cfg = HealConfig(backend=args.backend, steps=300, n_layer=2, n_head=2, n_embd=64, block_size=64,
                          batch_size=8, incident=150, incident_batches=60, ramp_batches=20, checkpoint_every=25)
     for name in ("steps", "incident", "incident_batches", "ramp_batches", "outlier", "target_blocks", "target_linear", "lr_burst",
-                 "history"):
+                 "history", "harm_interval"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if cfg.backend == "te":
@@ -333,9 +339,15 @@ def main() -> None:
                                      for a in api.get(f"/v1/runs/{run_id}/actions").json()]
                 result["agent_events"] = [{"step": e["step"], "kind": e["kind"],
                                            "data": {k: v for k, v in e["data"].items()
-                                                    if k in ("modules", "checkpoint_step", "skip_batches", "status")}}
+                                                    if k in ("modules", "checkpoint_step", "skip_batches", "status", "gap",
+                                                             "gap_after", "band_high", "harmful")}}
                                           for e in api.get(f"/v1/runs/{run_id}/events").json()
-                                          if e["kind"] in ("fallback_applied", "promotion_applied", "rollback_applied")]
+                                          if e["kind"] in ("fallback_applied", "promotion_applied", "rollback_applied",
+                                                           "harm_attributed", "promotion_trial")]
+                scalars = api.get(f"/v1/runs/{run_id}/scalars",
+                                  params={"fields": "fp8_loss_gap", "width": 100_000}).json()
+                result["fp8_loss_gap"] = [[s, g] for s, g in zip(scalars["steps"], scalars["max"]["fp8_loss_gap"],
+                                                                  strict=True) if g is not None]
             runs[mode] = result
     finally:
         api.close()

@@ -280,6 +280,10 @@ def main() -> None:
     shipped_after = monitor._shipper.stats().processed if monitor._shipper else 0
     sync_agent["flushes_shipped"] = shipped_after - shipped_before
 
+    try:
+        harm = _harm_probe(torch, te, model, x, recipe, monitor, plain_ms)
+    except Exception as exc:  # the overhead figures above stand on their own
+        harm = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     shipper = monitor._shipper.stats() if monitor._shipper else None
     broken = bool(monitor._broken)
     n_columns = len(monitor.tensors)
@@ -329,6 +333,7 @@ def main() -> None:
         "shipper": None if shipper is None else {"submitted": shipper.submitted, "processed": shipper.processed,
                                                  "errors": shipper.errors, "dropped": shipper.dropped},
         "transport_batches": transport.stats().sent_batches,
+        "harm_probe": harm,
         "monitor_broken": broken,
         "agent_log": records.messages[:10],
     }
@@ -337,6 +342,60 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_overhead.json").write_text(line + "\n")
+
+
+def _harm_probe(torch: Any, te: Any, model: Any, x: Any, recipe: Any, monitor: Any, plain_ms: float,
+                n: int = 10) -> dict[str, Any]:
+    """The harm probe on this model: its GPU time (two no-grad forwards, CUDA events), the cost it
+    adds at the default interval (probe time / (interval x plain step)), the gap of this healthy
+    run, and that it leaves TE's FP8 state, the RNG and the host (no sync) as they were."""
+    harm = monitor._harm
+    if harm is None:
+        return {"skipped": "the monitor has no harm probe (no probeable source)"}
+
+    def loss_fn() -> Any:
+        with te.autocast(enabled=True, recipe=recipe):
+            h = x
+            for layer in model:
+                h = layer(h)
+        return h.float().pow(2).mean()
+
+    hists, scales = monitor.sources[0]._live_state()
+    before = [t.clone() for t in (*hists, *scales)]
+    rng = torch.cuda.get_rng_state()
+    harm.measure(1, loss_fn)  # warm-up (first BF16 forward of TE's modules)
+    torch.cuda.synchronize()
+    times, gaps = [], []
+    raised = None
+    for i in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if i == n - 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = harm.measure(2 + i, loss_fn)
+        except RuntimeError as exc:
+            raised = str(exc)[:200]
+            out = None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        if out is not None:
+            gaps.append(float(out[2]))
+    state_kept = all(torch.equal(a, b) for a, b in zip(before, (*hists, *scales), strict=True))
+    interval = monitor.config.harm_interval_steps
+    probe_ms = statistics.median(times)
+    return {
+        "probe_ms_median": round(probe_ms, 3), "probe_ms_min_max": [round(min(times), 3), round(max(times), 3)],
+        "plain_step_ms": round(plain_ms, 3), "probe_over_step": round(probe_ms / plain_ms, 4),
+        "interval_steps": interval, "cost_at_interval": round(probe_ms / (interval * plain_ms), 5),
+        "target_cost_max": 0.005, "meets_target": probe_ms / (interval * plain_ms) <= 0.005,
+        "healthy_gaps": [round(g, 6) for g in gaps],
+        "fp8_state_unchanged": state_kept, "rng_unchanged": torch.equal(rng, torch.cuda.get_rng_state()),
+        "sync_debug_raised": raised,
+    }
 
 
 if __name__ == "__main__":

@@ -605,6 +605,47 @@ def test_bf16_fallback_and_repromotion_with_fresh_state() -> None:
     source.close()
 
 
+def test_harm_probe_on_te_leaves_no_trace_and_measures_the_gap() -> None:
+    """The harm probe's TE switch: a BF16 plan computes as without FP8, inside the loop's own FP8
+    autocast; TE's amax histories and scales, the modules' precision and the RNG are as before;
+    a trial (a module held in BF16 tried in FP8) starts fresh and leaves the held state alone."""
+    from fp8guard.agent.harm import HarmProbe
+
+    torch.manual_seed(0)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
+    model = nn.Sequential(te.Linear(256, 256, params_dtype=torch.bfloat16),
+                          te.Linear(256, 256, params_dtype=torch.bfloat16)).cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def loss_fn() -> torch.Tensor:
+        with te.autocast(enabled=True, recipe=recipe):
+            return model(x).float().pow(2).mean()
+
+    for _ in range(3):
+        loss_fn().backward()
+    source = te_source.discover(model, required=True, exact_counts="hooks")
+    assert source is not None
+    probe = HarmProbe([source], interval_steps=1, band_z=4, min_gap=0.005, warmup_probes=3, device=DEV)
+    hists, scales = source._live_state()
+    before = [t.clone() for t in (*hists, *scales)]
+    rng = torch.cuda.get_rng_state()
+    loss_fp8, loss_bf16, gap = probe.measure(5, loss_fn).tolist()
+    with torch.no_grad(), te.autocast(enabled=False):
+        plain = model(x).float().pow(2).mean()
+    assert loss_bf16 == float(plain)
+    assert gap == pytest.approx((loss_fp8 - loss_bf16) / loss_bf16, rel=1e-5) and loss_fp8 != loss_bf16
+    assert all(torch.equal(a, b) for a, b in zip(before, (*hists, *scales), strict=True))
+    assert torch.equal(rng, torch.cuda.get_rng_state())
+    assert source.precision() == {"0": True, "1": True}
+    source.set_fp8(["1"], enabled=False)
+    held = [t.clone() for t in (*hists, *scales)]
+    trial = probe.trial(6, loss_fn, ["1"])
+    assert trial.gap == trial.gap and not trial.harmful  # a healthy layer back in FP8: within the warm-up band
+    assert source.precision() == {"0": True, "1": False}
+    assert all(torch.equal(a, b) for a, b in zip(held, (*hists, *scales), strict=True))
+    source.close()
+
+
 def test_inspect_counts_every_operand_and_agree_with_the_hooks() -> None:
     """exact_counts="inspect": TE's tensor-inspection API hands over every operand (LayerNorm
     outputs and MLP internals included); where module hooks also reach an operand, both paths
