@@ -89,6 +89,8 @@ class HealConfig:
     """An aggressive learning-rate phase: the rate times this for ``lr_burst_steps`` from ``incident``."""
     lr_burst_steps: int = 40
     checkpoint_every: int = 25
+    count_interval: int = 10
+    """Exact overflow/underflow counts every this many steps (TE: its inspection API); 0: off."""
     harm_interval: int = 25
     """The harm probe every this many steps in both FP8 runs (plus whenever the tripwire fires);
     0 runs the policy on numerics alone, as before the probe existed."""
@@ -178,7 +180,7 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
     if fp8:
         monitor = Monitor(MonitorConfig(url=url, run_id=run_id, model_name=f"byte-gpt-{cfg.n_layer}x{cfg.n_embd}",
                                         flush_interval_steps=5, command_check_interval_steps=5,
-                                        count_interval_steps=10, harm_interval_steps=cfg.harm_interval,
+                                        count_interval_steps=cfg.count_interval, harm_interval_steps=cfg.harm_interval,
                                         run_config={"bench": "gpu_heal", "mode": mode}),
                           transport=None if url else NullTransport())
     checkpoints = CheckpointManager(workdir / f"ckpt-{mode}", model=model, optimizer=opt, scheduler=sched,
@@ -296,6 +298,7 @@ def main() -> None:
     parser.add_argument("--target-blocks", dest="target_blocks")
     parser.add_argument("--target-linear", dest="target_linear")
     parser.add_argument("--harm-interval", dest="harm_interval", type=int)
+    parser.add_argument("--count-interval", dest="count_interval", type=int)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cfg = HealConfig(backend=args.backend)
@@ -303,7 +306,7 @@ def main() -> None:
         cfg = HealConfig(backend=args.backend, steps=300, n_layer=2, n_head=2, n_embd=64, block_size=64,
                          batch_size=8, incident=150, incident_batches=60, ramp_batches=20, checkpoint_every=25)
     for name in ("steps", "incident", "incident_batches", "ramp_batches", "outlier", "target_blocks", "target_linear", "lr_burst",
-                 "history", "harm_interval"):
+                 "history", "harm_interval", "count_interval"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if cfg.backend == "te":
