@@ -233,7 +233,9 @@ class Monitor:
         where every rank acts on a verdict together is ``_tripwire_due``'s."""
         if self._tripwire is None:
             return
-        fired = self._tripwire.peek()
+        # one process consumes what it read (nothing waits for the lagged read); ranks keep their
+        # verdicts for ``due``
+        fired = self._tripwire.fired() if self.world_size == 1 else self._tripwire.peek()
         if fired is None:
             return
         log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
@@ -286,7 +288,10 @@ class Monitor:
         A verdict that no peek saw (the host ran ahead of the device) makes this rank hurry now;
         a single process then applies the decision at this boundary."""
         trip = self._tripwire
-        if trip is None:
+        if trip is None or self.world_size == 1:
+            # One process needs no agreement: ``peek`` (never waits) answers it. The lagged read
+            # would cap how far the host runs ahead of the device at every step (on the H200 a
+            # torchao loop's monitor.step waited 255 ms there).
             return False
         try:
             if self.world_size > 1 and not trip.checked(tick):
