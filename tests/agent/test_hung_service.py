@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench._serve import free_port  # noqa: E402
+from bench._serve import serve_process  # noqa: E402
 from fp8guard.agent import Monitor, MonitorConfig  # noqa: E402
 
 STOP_S = float(os.environ.get("FP8GUARD_SIGSTOP_S", "4"))  # the issue measured 60 s; 4 s keeps CI short
@@ -26,34 +25,8 @@ STOP_S = float(os.environ.get("FP8GUARD_SIGSTOP_S", "4"))  # the issue measured 
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "fp8guard", "serve", "--database-url",
-                             f"sqlite:///{tmp_path / 'fp8guard.db'}", "--host", "127.0.0.1", "--port", str(port),
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=log,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "fp8guard serve did not become healthy"
-            time.sleep(0.1)
-        yield base, proc
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serve_process(f"sqlite:///{tmp_path / 'fp8guard.db'}") as served:
+        yield served.base, served.proc
 
 
 @pytest.mark.slow

@@ -3,10 +3,7 @@ can neither be stored nor be served to every dashboard load."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -15,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench._serve import free_port
+from bench._serve import serve_process
 
 _EVENT_MB = 250
 
@@ -46,24 +43,8 @@ def _peak_rss_mb(pid: int) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc")
 def test_three_concurrent_bombs_keep_memory_bounded_and_healthz_answering(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'bomb.db'}"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - a file: a full pipe would block the server
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fp8guard", "serve", "--database-url", url, "--port", str(port),
-         "--log-level", "warning"], env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
-        stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.seek(0) or log.read().decode(errors="replace")[-2000:]
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "fp8guard serve did not start"
-            time.sleep(0.1)
+    with serve_process(url) as served:
+        base, proc = served.base, served.proc
         with httpx.Client(base_url=base, timeout=120) as c:
             for k in range(3):
                 assert c.put(f"/v1/runs/bomb{k}", json={}).status_code in (200, 201)
@@ -109,11 +90,4 @@ def test_three_concurrent_bombs_keep_memory_bounded_and_healthz_answering(tmp_pa
         with httpx.Client(base_url=base) as c:
             for k in range(3):
                 assert c.get(f"/v1/runs/bomb{k}/events").json() == []
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+

@@ -14,15 +14,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from bench._serve import free_port
+from bench._serve import serve_process
 
 EXAMPLES = int(os.environ.get("FP8GUARD_SCHEMATHESIS_EXAMPLES", "10"))
 """Examples per operation and phase (CI may raise it; the issue's audit used 50)."""
@@ -67,23 +64,9 @@ def test_schemathesis_finds_nothing(migrated_url: str, tmp_path: Path) -> None:
     if cli is None:
         pytest.skip("schemathesis is not installed (pip install -e '.[dev]')")
     token = _admin_token(migrated_url)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8GUARD_AUTH": "required", "FP8GUARD_LONG_POLL_MAX_S": "0.5"}
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - a file: a full pipe would block the server
-    proc = subprocess.Popen([sys.executable, "-m", "fp8guard", "serve", "--database-url", migrated_url, "--port",
-                             str(port), "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "fp8guard serve exited"
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "fp8guard serve did not start"
-            time.sleep(0.1)
+    env = {"FP8GUARD_LONG_POLL_MAX_S": "0.5"}
+    with serve_process(migrated_url, auth=True, env=env) as served:
+        base = served.base
         config = tmp_path / "schemathesis.toml"
         config.write_text(CONFIG)
         run = subprocess.run(
@@ -94,16 +77,7 @@ def test_schemathesis_finds_nothing(migrated_url: str, tmp_path: Path) -> None:
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-12_000:]
         assert "Authentication failed" not in out, out[-4_000:]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        server_log = log.read().decode(errors="replace")
-        log.close()
+        server_log = served.log_text()
     assert "Traceback" not in server_log, server_log[-4_000:]
 
 
