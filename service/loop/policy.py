@@ -138,6 +138,10 @@ def _after_effect(f: Finding, view: RunView, cause: int | None, cfg: GuardConfig
     step (an infinite amax with a NaN loss) may be its cause, and counts as FP8 evidence."""
     if view.rollback_pending:
         return True
+    if f.rule is Rule.FP8_HARM:
+        # Measured, not inferred: FP8 costs the loss now, whatever came first (a gradient spike
+        # may well be the harm's own symptom); only a pending rollback makes it moot.
+        return False
     events = [e for e in (cause, view.last_loss_event) if e is not None]
     return any(e < f.onset_step <= e + cfg.after_effect_steps for e in events)
 

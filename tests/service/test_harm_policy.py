@@ -48,6 +48,19 @@ def test_measured_harm_falls_back_the_modules_it_names() -> None:
     assert d.kind is ActionKind.FALLBACK and d.modules == ("l3",)
 
 
+def test_measured_harm_after_a_gradient_event_is_no_after_effect() -> None:
+    """A gradient spike that the FP8 harm itself caused comes first; inferred FP8 findings after
+    it are after-effects, a measured harm is not (unless a rollback is already pending)."""
+    harm = _finding(Rule.FP8_HARM, Severity.CRITICAL, ("l3",), step=80)
+    (d,) = decide([harm], _view(80, harm_probed=True, last_loss_event=78), GuardConfig())
+    assert d.kind is ActionKind.FALLBACK and d.modules == ("l3",)
+    sat = _finding(Rule.SATURATION, Severity.CRITICAL, ("l2",), step=80)
+    assert [x.kind for x in decide([sat], _view(80, harm_probed=True, last_loss_event=78), GuardConfig())] == [
+        ActionKind.ALERT]
+    (pending,) = decide([harm], _view(80, harm_probed=True, rollback_pending=True), GuardConfig())
+    assert pending.kind is ActionKind.ALERT
+
+
 def test_harm_that_persists_in_bf16_escalates_to_a_rollback() -> None:
     harm = _finding(Rule.FP8_HARM, Severity.CRITICAL, ("l3",), step=300)
     (d,) = decide([harm], _view(300, harm_probed=True, bf16={"l3": 200}, known_good=[250], checkpoints=[250]),
