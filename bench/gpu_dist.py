@@ -232,7 +232,7 @@ def main() -> None:
     if args.small:
         cfg = HealConfig(backend=args.backend, steps=220, n_layer=2, n_head=2, n_embd=64, block_size=64,
                          batch_size=8, incident=110, incident_batches=30, ramp_batches=10, outlier=1e6,
-                         lr_burst=40.0, lr_burst_steps=20, checkpoint_every=20)
+                         lr_burst=100.0, lr_burst_steps=20, checkpoint_every=20)
     if args.burst_at is None:
         args.burst_at = cfg.incident + cfg.incident_batches + (20 if args.small else 100)
     if cfg.backend == "te":
