@@ -13,8 +13,8 @@ from torchao.float8.float8_utils import amax_to_scale  # noqa: E402
 
 from fp8guard.agent import Monitor, MonitorConfig, NullTransport  # noqa: E402
 from fp8guard.agent.commands import parse_command  # noqa: E402
-from fp8guard.agent.remediation import Remediator  # noqa: E402
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow  # noqa: E402
+from fp8guard.agent.remediation import Remediator  # noqa: E402
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, STATS  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
