@@ -19,6 +19,7 @@ service started in-process on SQLite. Two instabilities are *injected*, honestly
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import tempfile
@@ -168,6 +169,11 @@ def _free_port(host: str, preferred: int) -> int:
     raise RuntimeError("no free port")
 
 
+def _batch_loss(model: Any, x: Any, y: Any) -> Any:
+    """The harm probe's loss of one batch: the model as it is now, on that batch."""
+    return model(x, y)[1]
+
+
 def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, workdir: Path,
            progress: Any = None, token: str | None = None) -> tuple[list[float], float]:
     """Train; return (per-step losses, mean loss of the 10 steps before the poisoned window)."""
@@ -226,7 +232,7 @@ def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, work
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the norm before clipping
         fp8.update()
         monitor.step(loss, grad_norm=norm, step=step, tokens=(step + 1) * x.numel(),
-                     loss_fn=lambda x=x, y=y: model(x, y)[1])
+                     loss_fn=functools.partial(_batch_loss, model, x, y))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
