@@ -109,9 +109,8 @@ def test_findings_and_first_decisions_do_not_depend_on_the_batch_size(board: dic
 @pytest.mark.parametrize("batch_size", [
     1,
     pytest.param(10, marks=pytest.mark.xfail(strict=True, reason=(
-        "the agent's tripwire (loss x1.3 or grad x5 over its average after 10 warm-up steps, saturation "
-        "over 8) does not fire on a 2x-per-step amax climb, a 3 %-per-step ramp or a divergence in the "
-        "first 10 steps, so the finding's step reaches the service at the next flush (docs/detection.md)"))),
+        "the LR blowup's loss jumps at steps 2-4, inside the agent tripwire's 10-step warm-up, so its "
+        "finding's step reaches the service at the next flush (8 steps at batch size 10; docs/detection.md)"))),
 ])
 def test_at_most_two_steps_from_the_anomaly_to_the_applied_command(board: dict[str, Any], batch_size: int) -> None:
     worst = {name: s["by_batch_size"][str(batch_size)]["max_steps_to_apply"] for name, s in board.items()}
