@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -73,3 +77,23 @@ def post(client: Any, payload: dict[str, Any], *, judged: bool = True, **kw: Any
     if judged and app is not None:
         assert app.state.loop.drain(timeout=30), "the closed loop did not catch up in 30 s"
     return r
+
+
+@contextlib.contextmanager
+def app_in_thread(app: Any, *, timeout: float = 30.0) -> Iterator[str]:
+    """The real app under uvicorn on 127.0.0.1 in a daemon thread (its lifespan runs: loop,
+    committer); yields ``http://127.0.0.1:PORT`` and stops the server afterwards."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the service did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from fp8guard import wire
 from fp8guard.service.domain import IngestResult
 from fp8guard.service.queries.metrics import AlertCollector, RunCollector, install_metrics
 from fp8guard.service.store.records import GAP_LOOKBACK_STEPS
-from tests.helpers import batch, post, register, tensor_defs
+from tests.helpers import app_in_thread, batch, post, register, tensor_defs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -304,9 +303,9 @@ def _free_port() -> int:
 def served(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """The app with metrics and authentication under uvicorn in a thread, on SQLite; yields
     host:port and a token per role."""
-    import uvicorn
-
     from fp8guard.service import Settings, create_app
+    from fp8guard.service.auth.tokens import issue_token
+    from fp8guard.service.kinds import Role
     from fp8guard.service.store import make_engine, upgrade
 
     url = f"sqlite:///{tmp_path / 'prom.db'}"
@@ -314,26 +313,9 @@ def served(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     upgrade(engine)
     engine.dispose()
     app = create_app(Settings(database_url=url, auth="required"))
-    from fp8guard.service.auth.tokens import issue_token
-    from fp8guard.service.kinds import Role
-
     tokens = {role.value: issue_token(app.state.store, name=f"t-{role}", role=role)[0] for role in Role}
-    if getattr(app.state, "metrics_registry", None) is None:
-        install_metrics(app, app.state.store)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("uvicorn did not start")
-        time.sleep(0.05)
-    try:
-        yield f"127.0.0.1:{port}", tokens
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with app_in_thread(app) as base:
+        yield base.removeprefix("http://"), tokens
 
 
 @pytest.mark.slow

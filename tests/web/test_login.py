@@ -4,15 +4,13 @@ login page, a read token opens an HttpOnly session, and the run page shows the g
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers import batch, post
+from tests.helpers import app_in_thread, batch, post
 from tests.web.test_pages import ARGS, CHROMIUM, READY, _missing
 
 
@@ -23,8 +21,6 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"browser tests cannot run under CI: {reason}")
         pytest.skip(reason)
-    import uvicorn
-
     from fp8guard.service import Settings, create_app
     from fp8guard.service.auth.tokens import issue_token
     from fp8guard.service.kinds import Role
@@ -36,26 +32,15 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
     engine.dispose()
     app = create_app(Settings(database_url=url, auth="required"))
     tokens = {role.value: issue_token(app.state.store, name=f"web-{role}", role=role)[0] for role in Role}
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the service did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    agent = {"authorization": f"Bearer {tokens['ingest']}"}
-    with httpx.Client(base_url=base, timeout=30, headers=agent) as client:
-        assert client.put("/v1/runs/audited", json={"guard": {"skip_batches": 300}}).status_code == 201
-        assert post(client, batch("audited", list(range(20)))).status_code == 200
-        r = client.put("/v1/runs/audited/guard", json={"skip_batches": 50, "dry_run": True},
-                       headers={"authorization": f"Bearer {tokens['admin']}"})
-        assert r.status_code == 200, r.text
-    try:
+    with app_in_thread(app) as base:
+        agent = {"authorization": f"Bearer {tokens['ingest']}"}
+        with httpx.Client(base_url=base, timeout=30, headers=agent) as client:
+            assert client.put("/v1/runs/audited", json={"guard": {"skip_batches": 300}}).status_code == 201
+            assert post(client, batch("audited", list(range(20)))).status_code == 200
+            r = client.put("/v1/runs/audited/guard", json={"skip_batches": 50, "dry_run": True},
+                           headers={"authorization": f"Bearer {tokens['admin']}"})
+            assert r.status_code == 200, r.text
         yield base, tokens
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.mark.slow

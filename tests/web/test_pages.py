@@ -8,7 +8,6 @@ from __future__ import annotations
 import html
 import os
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 
 from fp8guard import wire
-from tests.helpers import batch, post, register, tensor_defs
+from tests.helpers import app_in_thread, batch, post, register, tensor_defs
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -47,38 +46,16 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"browser tests cannot run under CI: {reason}")
         pytest.skip(reason)
-    import uvicorn
-
     from fp8guard.service import Settings, create_app
     from fp8guard.service.store import make_engine, upgrade
-    from fp8guard.service.web import install_page_errors, web_router
 
     url = f"sqlite:///{tmp_path_factory.mktemp('web') / 'fp8guard.db'}"
     engine = make_engine(url)
     upgrade(engine)
     engine.dispose()
-    app = create_app(Settings(database_url=url, auth="off"))
-    if not any(getattr(r, "path", None) == "/static/{name}" for r in app.routes):
-        app.include_router(web_router(poll_seconds=1.0))
-    from starlette.exceptions import HTTPException
-
-    if not getattr(app.exception_handlers.get(HTTPException), "__qualname__", "").startswith("install_page_errors"):
-        install_page_errors(app)  # until create_app installs it
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the service did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with app_in_thread(create_app(Settings(database_url=url, auth="off"))) as base:
         _populate(base)
         yield base
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def _populate(base: str) -> None:
