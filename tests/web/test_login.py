@@ -3,7 +3,6 @@ login page, a read token opens an HttpOnly session, and the run page shows the g
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,16 +10,12 @@ import httpx
 import pytest
 
 from tests.helpers import app_in_thread, batch, post
-from tests.web.test_pages import ARGS, CHROMIUM, READY, _missing
+from tests.web.test_pages import ARGS, CHROMIUM, READY, require_browser
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
-    reason = _missing()
-    if reason:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"browser tests cannot run under CI: {reason}")
-        pytest.skip(reason)
+    require_browser()
     from fp8guard.service import Settings, create_app
     from fp8guard.service.auth.tokens import issue_token
     from fp8guard.service.kinds import Role

@@ -29,6 +29,15 @@ XSS_MODEL = "<b onmouseover=window.__xss=3>model</b>"
 READY = "() => window.fp8guardReady === true || !!window.fp8guardError"
 
 
+def require_browser() -> None:
+    """Skip without Playwright or Debian's Chromium, except under CI=true, where that fails."""
+    reason = _missing()
+    if reason:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"browser tests cannot run under CI: {reason}")
+        pytest.skip(reason)
+
+
 def _missing() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
@@ -41,11 +50,7 @@ def _missing() -> str | None:
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    reason = _missing()
-    if reason:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"browser tests cannot run under CI: {reason}")
-        pytest.skip(reason)
+    require_browser()
     from fp8guard.service import Settings, create_app
     from fp8guard.service.store import make_engine, upgrade
 
