@@ -1,0 +1,146 @@
+"""Module hooks on Transformer Engine modules: the operands a hook can reach, measured and counted.
+
+Under current and block scaling nothing persists in TE, so the hooks measure the amax of the
+operands reachable from module hooks (forward pre-hook: the input of ``te.Linear`` and the
+weights of every module; a tensor hook on the module output: the grad_output of its last GEMM)
+with TE's own amax kernel into a device buffer, max-accumulated over micro-batches until read.
+Under any supported recipe they can also count exact overflows/underflows of those operands
+(``exact_counts="hooks"``), with the scale the cast uses (given by the recipe family).
+
+Hooks observe only FP8 forwards with grad enabled (not eval passes, not BF16-fallback regions,
+not TE activation-recompute passes). Nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8guard.agent.fp8 import count_overflow_underflow, nan_ignoring_amax
+from fp8guard.agent.sources.te_access import TEApi
+from fp8guard.agent.sources.te_layout import Column, weights_of
+
+__all__ = ["HookObserver"]
+
+_AMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+ScaleOf = Callable[[Column, "torch.Tensor | None"], torch.Tensor]
+"""The scale a cast of a column uses, given the amax just measured (None when not measured)."""
+
+
+class HookObserver:
+    """Device buffers filled by module hooks: ``amax`` (``[n]``) and ``counts`` (``[n, 2]``)."""
+
+    def __init__(self, te: TEApi, columns: Sequence[Column], device: torch.device, *, measure: bool,
+                 scale_of: ScaleOf) -> None:
+        n = len(columns)
+        self._te = te
+        self._columns = columns
+        self._scale_of = scale_of
+        self.amax = torch.zeros(n, dtype=torch.float32, device=device)
+        self.counts = torch.zeros(n, 2, dtype=torch.int64, device=device)
+        self.measure = measure
+        """Measure amaxes (current/block scaling); False: hooks only count when armed."""
+        self.counting = False
+        self._seen = [False] * n
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        by_module: dict[int, list[Column]] = {}
+        for c in self._columns:
+            if c.hooked:
+                by_module.setdefault(id(c.module), []).append(c)
+        for cols in by_module.values():
+            module, kind = cols[0].module, cols[0].kind
+            inp = next((c for c in cols if c.side == "fwd" and c.slot % 3 == 0), None)
+            weights = [(c, c.slot // 3) for c in cols if c.side == "fwd" and c.slot % 3 == 1]
+            grad = next((c for c in cols if c.side == "bwd"), None)
+            if inp is not None or weights:
+                self._handles.append(module.register_forward_pre_hook(
+                    self._pre_hook(kind, inp, weights), with_kwargs=True))
+            if grad is not None:
+                self._handles.append(module.register_forward_hook(self._output_hook(grad)))
+
+    def consumed(self) -> None:
+        """The amaxes were read: the next cast of every operand starts a new accumulation."""
+        self.amax.zero_()
+        self._seen = [False] * len(self._seen)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.measure = self.counting = False
+
+    # -- hooks (run inside the user's forward/backward) -------------------------------------------
+
+    def _observing(self) -> bool:
+        if not (self.measure or self.counting) or not torch.is_grad_enabled():
+            return False
+        return bool(self._te.fp8_enabled()) and not self._te.recompute_phase()
+
+    def _pre_hook(self, kind: str, inp: Column | None, weights: list[tuple[Column, int]]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self._observing():
+                return
+            if inp is not None:
+                self._observe(inp, [args[0] if args else kwargs.get("inp")])
+            for col, gemm in weights:
+                self._observe(col, weights_of(module, kind, gemm))
+        return hook
+
+    def _output_hook(self, col: Column) -> Callable[..., None]:
+        def grad_hook(grad: torch.Tensor) -> None:
+            self._observe(col, [grad])
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not self._observing():
+                return
+            out = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                tensor: Any = out  # torch types register_hook loosely
+                tensor.register_hook(grad_hook)  # the grad of the module output is its last GEMM's grad_output
+        return hook
+
+    def _amax_into(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst[0] = amax(x)`` with the kernel TE's own casts use (NaN skipped, inf kept)."""
+        if self._te.compute_amax is not None and x.is_cuda and x.dtype in _AMAX_DTYPES:
+            self._te.compute_amax(x, dst)
+        else:
+            dst.copy_(nan_ignoring_amax(x).reshape(1))
+
+    def _amax_of(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        amax: torch.Tensor | None = None
+        for x in xs:
+            a = torch.zeros(1, dtype=torch.float32, device=x.device)
+            self._amax_into(x, a)
+            amax = a if amax is None else torch.maximum(amax, a)
+        assert amax is not None
+        return amax
+
+    def _observe(self, col: Column, tensors: Sequence[Any]) -> None:
+        xs = [t.detach() for t in tensors
+              if isinstance(t, torch.Tensor) and not isinstance(t, self._te.quantized) and t.numel() > 0]
+        if not xs:
+            return
+        i = col.index
+        amax: torch.Tensor | None = None
+        if self.measure:
+            acc = self.amax[i:i + 1]
+            if len(xs) == 1 and not self._seen[i]:
+                # First cast of this operand since the last read: TE's amax kernel writes straight
+                # into the accumulator (zeroed at read), two launches per operand and step.
+                self._amax_into(xs[0], acc)
+                amax = acc
+            else:  # later micro-batches, split weights: max-accumulate
+                amax = self._amax_of(xs)
+                torch.maximum(acc, amax, out=acc)
+            self._seen[i] = True
+        if not self.counting:
+            return
+        scale = self._scale_of(col, amax)
+        for x in xs:
+            self.counts[i].add_(count_overflow_underflow(x, scale, col.fmt))

@@ -1,0 +1,207 @@
+"""The TE source's own logic on the CPU, over a stand-in for Transformer Engine (tests/fake_te.py)
+given through the source's one seam (``te_access.substitute``).
+
+What this proves: the column layout, the delayed-scaling reads (latest amax, scale in use, history
+maximum, the derived amax at history length 1), the current-scaling reads and scale formula, BF16
+switching and re-promotion, and the Monitor over the source, all against TE's documented state
+rules as the stand-in implements them. What it does not prove: anything about TE itself or a
+GPU (tests/agent/test_te_source.py runs the same source on a real one and skips here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fp8guard.agent import Monitor, MonitorConfig, NullTransport  # noqa: E402
+from fp8guard.agent.sources import te, te_access  # noqa: E402
+from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, STATS  # noqa: E402
+from fp8guard.agent.telemetry import GRAD_NORM  # noqa: E402
+from tests import fake_te  # noqa: E402
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+@pytest.fixture(autouse=True)
+def _fake() -> Iterator[None]:
+    fake_te.reset()
+    with te_access.substitute(fake_te):
+        yield
+    fake_te.reset()
+
+
+def stack(layers: int, hidden: int = 16) -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[fake_te.TransformerLayer(hidden, 2 * hidden, name=f"layer{i}") for i in range(layers)])
+
+
+def train_step(model: Any, recipe: Any, k: int, opt: Any = None, monitor: Any = None) -> Any:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(k)) * (1 + k % 3)
+    with fake_te.autocast(enabled=True, recipe=recipe):
+        y = model(x)
+    loss = y.pow(2).mean()
+    loss.backward()
+    if monitor is not None:
+        monitor.step(loss)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+def read(src: Any) -> Any:
+    out = torch.full((len(STATS), len(src.tensors())), float("nan"))
+    src.read(out)
+    return out
+
+
+def column(src: Any, name: str) -> int:
+    return [s.name for s in src.tensors()].index(name)
+
+
+def test_columns_follow_te_slot_layout() -> None:
+    model = stack(1)
+    train_step(model, fake_te.DelayedScaling(amax_history_len=4), 0)
+    src = te.discover(model, required=True)
+    assert src is not None and src.recipe_name == "DelayedScaling"
+    names = [s.name for s in src.tensors()]
+    # boundary slots (fwd_output, bwd_grad_input) were never used: left out under "auto"
+    assert names == [
+        "0.self_attention.layernorm_qkv:fwd_input", "0.self_attention.layernorm_qkv:fwd_weight",
+        "0.self_attention.layernorm_qkv:bwd_grad_output",
+        "0.self_attention.proj:fwd_input", "0.self_attention.proj:fwd_weight", "0.self_attention.proj:bwd_grad_output",
+        "0.layernorm_mlp.fc1:fwd_input", "0.layernorm_mlp.fc1:fwd_weight", "0.layernorm_mlp.fc1:bwd_grad_output",
+        "0.layernorm_mlp.fc2:fwd_input", "0.layernorm_mlp.fc2:fwd_weight", "0.layernorm_mlp.fc2:bwd_grad_output"]
+    assert {(s.role.startswith("fwd"), s.fp8_max, s.fp8_format) for s in src.tensors()} == {
+        (True, E4M3_MAX, "e4m3"), (False, E5M2_MAX, "e5m2")}
+    assert len(te.discover(model, required=True, boundary_slots="all").tensors()) == 5 + 5 + 10
+
+
+@pytest.mark.parametrize("length", [4, 1])
+def test_delayed_scaling_reads_te_state(length: int) -> None:
+    model = stack(2)
+    recipe = fake_te.DelayedScaling(amax_history_len=length, margin=1)
+    train_step(model, recipe, 0)
+    src = te.discover(model, required=True)
+    assert src is not None
+    proj = model[1].self_attention.proj
+    fwd, bwd = proj.fp8_meta["scaling_fwd"], proj.fp8_meta["scaling_bwd"]
+    w, g = column(src, "1.self_attention.proj:fwd_weight"), column(src, "1.self_attention.proj:bwd_grad_output")
+    scale_before = (fwd.scale[1].clone(), bwd.scale[0].clone())
+    for k in range(1, 6):
+        train_step(model, recipe, k)
+        out = read(src)
+        if length > 1:  # the latest completed amax is the history's last row
+            want_w, want_g = fwd.amax_history[-1, 1], bwd.amax_history[-1, 0]
+            assert torch.equal(out[HISTORY_MAX, w], fwd.amax_history[:, 1].amax())
+        else:  # TE zeroed the only row: the amax comes back from the new scale
+            want_w = torch.tensor(E4M3_MAX) / (fwd.scale[1] * 2.0)
+            want_g = torch.tensor(E5M2_MAX) / (bwd.scale[0] * 2.0)
+            assert torch.equal(out[HISTORY_MAX, w], out[AMAX, w])
+        assert torch.equal(out[AMAX, w], want_w) and torch.equal(out[AMAX, g], want_g)
+        assert out[AMAX, w] > 0 and out[AMAX, g] > 0
+        # the scale reported is the one in use when that amax was measured: the previous read's
+        assert torch.equal(out[SCALE, w], scale_before[0]) and torch.equal(out[SCALE, g], scale_before[1])
+        scale_before = (fwd.scale[1].clone(), bwd.scale[0].clone())
+    with torch.no_grad():
+        model[1].self_attention.proj.weight.mul_(4)
+    train_step(model, recipe, 6)
+    if length > 1:
+        assert torch.equal(read(src)[AMAX, w], model[1].self_attention.proj.weight.detach().abs().amax())
+
+
+def test_current_scaling_reads_the_hooked_operands() -> None:
+    model = stack(1)
+    recipe = fake_te.Float8CurrentScaling()
+    train_step(model, recipe, 0)
+    src = te.discover(model, required=True)
+    assert src is not None and src.exact_counts == "hooks"
+    names = [s.name for s in src.tensors()]
+    # LayerNorm outputs and the MLP's internal operands are out of a module hook's reach
+    assert "0.self_attention.layernorm_qkv:fwd_input" not in names and "0.self_attention.proj:fwd_input" in names
+    proj = model[0].self_attention.proj
+    seen: dict[str, Any] = {}
+    proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach().clone()))
+    train_step(model, recipe, 1)
+    out = read(src)
+    i, w = column(src, "0.self_attention.proj:fwd_input"), column(src, "0.self_attention.proj:fwd_weight")
+    assert torch.equal(out[AMAX, i], seen["x"].abs().amax())
+    assert torch.equal(out[AMAX, w], proj.weight.detach().abs().amax())
+    assert torch.equal(out[SCALE, i], te.te_current_scale(out[AMAX, i:i + 1], E4M3_MAX)[0])
+    assert torch.equal(out[HISTORY_MAX], out[AMAX])
+    # read consumed the step: an eval pass (no grad) measures nothing
+    with torch.no_grad(), fake_te.autocast(enabled=True, recipe=recipe):
+        model(torch.randn(4, 16))
+    assert torch.equal(read(src)[AMAX], torch.zeros(len(names)))
+
+
+def test_bf16_fallback_and_repromotion() -> None:
+    model = stack(2)
+    recipe = fake_te.DelayedScaling(amax_history_len=4)
+    train_step(model, recipe, 0)
+    src = te.discover(model, required=True)
+    assert src is not None
+    name = "1.layernorm_mlp"
+    mlp = model[1].layernorm_mlp
+    fp8_inside: list[bool] = []
+    prepare = mlp._fp8
+    mlp._fp8 = lambda: fp8_inside.append(prepare()) or fp8_inside[-1]  # what the module's forward saw
+    train_step(model, recipe, 1)
+    src.set_fp8([name + ".fc1"], False)  # a GEMM's name switches its whole module, as TE does
+    assert src.precision()[name] is False and sum(src.precision().values()) == 5
+    for k in (2, 3):
+        train_step(model, recipe, k)
+    out = read(src)
+    cols = [i for i, s in enumerate(src.tensors()) if s.module.startswith(name)]
+    others = [i for i, s in enumerate(src.tensors()) if not s.module.startswith(name)]
+    assert fp8_inside == [True, False, False]
+    assert torch.equal(out[AMAX, cols], torch.zeros(len(cols)))  # absent, not the stale history
+    assert bool((out[AMAX, others] > 0).all())
+    src.set_fp8(None, True)
+    assert all(src.precision().values())
+    # re-promotion starts from fresh FP8 state: the pre-fallback scale must not be reused
+    assert torch.equal(mlp.fp8_meta["scaling_fwd"].scale, torch.ones(6))
+    assert torch.equal(mlp.fp8_meta["scaling_fwd"].amax_history, torch.zeros(4, 6))
+    train_step(model, recipe, 4)
+    assert fp8_inside[-1] is True and bool((read(src)[AMAX, cols] > 0).all())
+
+
+def test_monitor_over_the_fake_records_te_state_and_grad_norm() -> None:
+    model = stack(3)
+    recipe = fake_te.DelayedScaling(amax_history_len=8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    train_step(model, recipe, 0, opt)
+    monitor = Monitor(MonitorConfig(sources=["te"], flush_interval_steps=50, count_interval_steps=0,
+                                    tripwire=False, harm_interval_steps=0), transport=NullTransport())
+    monitor.attach(model, opt)
+    src = monitor.sources[0]
+    fc2 = model[2].layernorm_mlp.fp8_meta["scaling_bwd"]
+    g = column(src, "2.layernorm_mlp.fc2:bwd_grad_output")
+    wanted, norms = [], []
+    for k in range(1, 5):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(k))
+        with fake_te.autocast(enabled=True, recipe=recipe):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        norms.append(torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()])))
+        monitor.step(loss)
+        wanted.append(fc2.amax_history[-1, 2].clone())
+        opt.step()
+        opt.zero_grad()
+    ring = monitor._ring
+    assert ring is not None and len(ring) == 4 and not monitor._broken
+    assert torch.equal(ring.stats[:4, AMAX, g], torch.stack(wanted))
+    assert torch.allclose(ring.scalars[:4, GRAD_NORM].double(), torch.stack(norms), rtol=1e-6)
+    monitor.close()
+
+
+def test_seam_nests_and_restores() -> None:
+    outer = te_access.load_te(required=False)  # the fixture's stand-in
+    assert outer is not None and not outer.real and not te_access.inspect_importable(outer)
+    with te_access.substitute(fake_te) as inner:
+        assert te_access.load_te(required=False) is inner is not outer
+    assert te_access.load_te(required=False) is outer
