@@ -34,11 +34,10 @@ from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.harm import HarmProbe, LossFn
-from fp8guard.agent.kernels import sum_of_squares_into, triton_available
 from fp8guard.agent.shipper import Shipper
 from fp8guard.agent.sources import discover_sources
 from fp8guard.agent.sources.base import COUNT_STATS, STATS, ProbeableSource, Source, TensorSpec
-from fp8guard.agent.telemetry import FP8_LOSS_GAP, GRAD_NORM, LOSS, LOSS_FP8, FlushPacket, StepRing
+from fp8guard.agent.telemetry import FP8_LOSS_GAP, GRAD_NORM, LOSS, LOSS_FP8, FlushPacket, GradNorm, StepRing
 from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
 from fp8guard.agent.tripwire import Tripwire
 
@@ -64,7 +63,7 @@ class Monitor:
         self._specs: list[TensorSpec] = []
         self._slices: list[slice] = []
         self._params: list[nn.Parameter] = []
-        self._norm_workspace: dict[str, Any] = {}
+        self._grad_norm: GradNorm | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._ring: StepRing | None = None
         self._shipper: Shipper | None = None
@@ -119,6 +118,7 @@ class Monitor:
             start += n
         self.remediator = remediator
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._grad_norm = GradNorm(self._params)
         self._optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._ring = StepRing(n_tensors=len(self._specs), fp8_max=[s.fp8_max for s in self._specs],
@@ -470,7 +470,7 @@ class Monitor:
             self._arm_counts_for(self._next_step)
 
     def _device_grad_norm(self) -> torch.Tensor | None:
-        return device_grad_norm(self._params, workspace=self._norm_workspace)
+        return self._grad_norm() if self._grad_norm is not None else None
 
     def _arm_counts_for(self, step: int) -> None:
         every = self.config.count_interval_steps
@@ -590,25 +590,12 @@ class Monitor:
         self._applied_ids |= set(state.get("applied_commands", []))
 
 
-def device_grad_norm(params: Iterable[nn.Parameter], *, workspace: dict[str, Any] | None = None) -> torch.Tensor | None:
+def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
     """Global L2 norm of the gradients, computed on the device (no host sync); None without grads.
 
-    On a GPU with Triton the large gradients are read by a fused sum-of-squares kernel near
-    memory bandwidth (``workspace`` keeps its partials buffer between calls); elsewhere, and for
-    the small tensors, ``torch._foreach_norm``."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return None
-    device = grads[0].device
-    if triton_available(device) and all(g.device == device for g in grads):
-        ws = workspace if workspace is not None else {}
-        out = torch.empty((), dtype=torch.float32, device=device)
-        ws["partials"] = sum_of_squares_into(out, grads, partials=ws.get("partials"))
-        return out.sqrt_()
-    # float32 norms: bf16 per-tensor norms would carry bf16 rounding (0.25% off on the H200 model)
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    return total
+    A few multi-tensor launches whatever the number of parameters (:class:`GradNorm`; build one
+    ``GradNorm`` and call it every step to group the parameters only once)."""
+    return GradNorm(params)()
 
 
 def _put(slot: torch.Tensor, value: torch.Tensor | float) -> None:

@@ -1,4 +1,5 @@
-"""Preallocated device buffers for one flush interval, and their hand-off to the host.
+"""Preallocated device buffers for one flush interval, their hand-off to the host, and the
+gradient norm the monitor records.
 
 The training thread only enqueues device work here: writes into fixed buffers, and at each
 flush one non-blocking copy into host memory plus an event. The host side (waiting on the
@@ -8,15 +9,18 @@ event, encoding, shipping) runs on the shipper's thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
+from torch import nn
 
 from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, STATS
 
-__all__ = ["FlushPacket", "StepRing"]
+__all__ = ["FlushPacket", "GradNorm", "StepRing"]
 
 LOSS, GRAD_NORM, LR, LOSS_FP8, LOSS_BF16, FP8_LOSS_GAP = range(6)
 _HARM = ("loss_fp8", "loss_bf16", "fp8_loss_gap")
@@ -142,3 +146,68 @@ class StepRing:
                              count_steps=self.count_steps, counts=host_counts, ready=ready)
         self._reset()
         return packet
+
+
+_grad = attrgetter("grad")
+
+
+class GradNorm:
+    """The global L2 norm of the parameters' gradients, on the device, with host work that does
+    not grow with the number of layers beyond a C-level walk over the parameters.
+
+    One ``torch._foreach_norm`` (a multi-tensor kernel: a few launches whatever the number of
+    tensors) per (device, dtype) group of parameters, grouped once at construction, then one
+    stack and one norm. Per-tensor norms are float32 (bf16 norms would carry bf16 rounding). The
+    result is the same value, bit for bit, as ``vector_norm(stack(_foreach_norm(grads)))`` over
+    the gradients in parameter order: with several groups their norms are put back in that order
+    on the device (one index select). No host sync.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self._params = [p for p in params if p.requires_grad]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(self._params):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self._groups = list(groups.values())
+        order = [i for members in self._groups for i in members]
+        self._inverse: torch.Tensor | None = None
+        if len(self._groups) > 1:
+            inverse = [0] * len(order)
+            for at, i in enumerate(order):
+                inverse[i] = at
+            self._inverse = torch.tensor(inverse, dtype=torch.long, device=self._params[0].device)
+
+    def __call__(self) -> torch.Tensor | None:
+        """The norm as a 0-d float32 device tensor; None when no parameter has a gradient."""
+        grads: list[Any] = list(map(_grad, self._params))
+        if not grads:
+            return None
+        if any(map(is_, grads, repeat(None))):
+            return _ordered_norm([g for g in grads if g is not None])
+        if self._inverse is None:  # one group: one device
+            total: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+            return total
+        first = grads[0].device
+        stacked = [torch.stack(torch._foreach_norm([grads[i] for i in members], 2, dtype=torch.float32)).to(first)
+                   for members in self._groups]
+        return torch.linalg.vector_norm(torch.cat(stacked).index_select(0, self._inverse))  # type: ignore[no-any-return]
+
+
+def _norm_of(norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    return total
+
+
+def _ordered_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """Some parameters have no gradient this step: group what is there, in parameter order."""
+    if not grads:
+        return None
+    keys = {(g.device, g.dtype) for g in grads}
+    if len(keys) == 1:
+        return _norm_of(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    norms: list[Any] = [None] * len(grads)
+    for key in keys:
+        at = [i for i, g in enumerate(grads) if (g.device, g.dtype) == key]
+        for i, n in zip(at, torch._foreach_norm([grads[i] for i in at], 2, dtype=torch.float32), strict=True):
+            norms[i] = n
+    return _norm_of(norms)
