@@ -52,21 +52,28 @@ class TEModel:
     """Model, optimizer, input and recipe; ``step()`` is one training step (optionally with a
     loss multiplier, used to provoke gradient overflows)."""
 
-    def __init__(self, shape: Shape, *, history: int = 1024) -> None:
+    def __init__(self, shape: Shape, *, history: int = 1024, te: Any = None, recipes: Any = None,
+                 device: str = "cuda") -> None:
+        """``te`` / ``recipes``: ``transformer_engine.pytorch`` and ``transformer_engine.common.recipe``
+        by default; a CPU smoke run passes the stand-in of tests/fake_te.py for both."""
         import torch
-        import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import DelayedScaling, Format
+
+        if te is None:
+            import transformer_engine.pytorch as te
+        if recipes is None:
+            import transformer_engine.common.recipe as recipes
 
         self.te, self.torch, self.shape = te, torch, shape
         torch.manual_seed(0)
         h = shape.hidden
         self.model = torch.nn.ModuleList([
-            te.TransformerLayer(h, 4 * h, h // 128, params_dtype=torch.bfloat16, hidden_dropout=0.0,
+            te.TransformerLayer(h, 4 * h, max(1, h // 128), params_dtype=torch.bfloat16, hidden_dropout=0.0,
                                 attention_dropout=0.0, fuse_qkv_params=True, layer_number=i + 1, name=f"layer{i}")
-            for i in range(shape.layers)]).cuda()
+            for i in range(shape.layers)]).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        self.x = torch.randn(shape.seq, shape.batch, h, device="cuda", dtype=torch.bfloat16)
-        self.recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=history, amax_compute_algo="max")
+        self.x = torch.randn(shape.seq, shape.batch, h, device=device, dtype=torch.bfloat16)
+        self.recipe = recipes.DelayedScaling(fp8_format=recipes.Format.HYBRID, amax_history_len=history,
+                                             amax_compute_algo="max")
 
     def forward_backward(self, loss_scale: float = 1.0) -> Any:
         with self.te.autocast(enabled=True, recipe=self.recipe):

@@ -62,7 +62,10 @@ class _Recipe:
 
 
 class DelayedScaling(_Recipe):
-    def __init__(self, fp8_format: Format = Format.HYBRID, amax_history_len: int = 1024, margin: int = 0) -> None:
+    def __init__(self, fp8_format: Format = Format.HYBRID, amax_history_len: int = 1024, margin: int = 0,
+                 amax_compute_algo: str = "max") -> None:
+        if amax_compute_algo != "max":
+            raise NotImplementedError("the stand-in implements amax_compute_algo='max' only")
         self.fp8_format, self.amax_history_len, self.margin = fp8_format, amax_history_len, margin
 
     def delayed(self) -> bool:
@@ -273,12 +276,16 @@ class TransformerLayer(nn.Module):
     """TE's submodule layout (``self_attention.layernorm_qkv``, ``self_attention.proj``,
     ``layernorm_mlp``) with a token-wise mix instead of attention."""
 
-    def __init__(self, hidden: int, ffn: int, name: str = "layer") -> None:
+    def __init__(self, hidden: int, ffn: int, heads: int = 1, *, name: str = "layer",
+                 params_dtype: torch.dtype | None = None, **te_options: Any) -> None:
+        """TE's signature; ``te_options`` (dropout, fusing, layer number) change nothing here."""
         super().__init__()
         self.self_attention = nn.Module()
         self.self_attention.layernorm_qkv = LayerNormLinear(hidden, 3 * hidden, name=f"{name}.qkv")
         self.self_attention.proj = Linear(hidden, hidden, name=f"{name}.proj")
         self.layernorm_mlp = LayerNormMLP(hidden, ffn, name=f"{name}.mlp")
+        if params_dtype is not None:
+            self.to(params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         attn: Any = self.self_attention

@@ -1,0 +1,383 @@
+"""Host cost of ``Monitor.step`` against model depth on a real Transformer Engine model (issue 14.1).
+
+    python bench/gpu_host_cost.py --out OUT/gpu_host_cost.json      # the H200: about 4 minutes
+    python bench/gpu_host_cost.py --smoke --out /tmp/host_cost.json  # CPU, over tests/fake_te.py
+
+Model: ``bench/_te_model.TEModel`` (``te.TransformerLayer`` stacks, bf16 parameters, fused AdamW,
+loss mean(h**2), DelayedScaling HYBRID with a 1024-step history). The monitor is the README's:
+``Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
+transport=NullTransport())``, computing its own grad norm (``monitor.step(loss)`` after
+``opt.step()``, before ``zero_grad``); no service.
+
+1. ``sweep``: for 12, 24, 48 and 96 layers (hidden 1024, sequence 1024, batch 8): attach time
+   (synchronised), the device memory attach allocates and the transient peak of one
+   ``monitor.step``, then the host microseconds of ``monitor.step`` in a training loop that
+   never syncs (GPU busy) and with the GPU idle (synchronised before the call), and the idle host
+   time of its two parts: the grad norm and the TE source's read.
+2. ``ratios``: plain FP8 step against monitored step, for the 604M model (12 layers, hidden 2048,
+   sequence 2048, batch 8) and the 48-layer hidden-1024 model: ``--rounds`` rounds of one block
+   of ``--block`` steps per mode, the order flipping every round, in one process; a block is
+   synchronise, steps, synchronise. Ratio of medians and median of per-round ratios. Then
+   ``--sync-steps`` monitored steps under ``torch.cuda.set_sync_debug_mode("error")``.
+
+Prints one JSON summary line; writes the full result to ``--out`` (a file, or a folder that gets
+``gpu_host_cost.json``). Without CUDA/TE/FP8 it prints a skip line and exits 0, unless
+``--smoke``: tiny sizes on the CPU over the TE stand-in (tests/fake_te.py, through the TE
+source's seam), which proves the script runs, not any GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._te_model import Records, Shape, TEModel, require_te
+
+BENCH = "gpu_host_cost"
+TARGET_RATIO = 1.005
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU over the TE stand-in")
+    p.add_argument("--out", default=None, help="JSON file (or folder) for the full result")
+    p.add_argument("--layers", default="12,24,48,96", help="sweep depths")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20, help="timed monitor.step calls per depth, in the loop")
+    p.add_argument("--idle-steps", type=int, default=10, help="timed monitor.step calls per depth, GPU idle")
+    p.add_argument("--rounds", type=int, default=12, help="ratio rounds (one block per mode each)")
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sync-steps", type=int, default=6)
+    p.add_argument("--budget-s", type=float, default=430.0, help="stop starting new parts after this long")
+    a = p.parse_args()
+    if a.smoke:
+        a.layers, a.hidden, a.seq, a.batch = "2,4,8", 32, 8, 2
+        a.steps, a.idle_steps, a.rounds, a.block, a.warmup, a.sync_steps = 4, 3, 2, 2, 1, 0
+    return a
+
+
+class Env:
+    """torch, the TE handles and the device: the real ones, or the CPU stand-in under ``--smoke``."""
+
+    def __init__(self, smoke: bool) -> None:
+        self.smoke = smoke
+        self._stack = contextlib.ExitStack()
+        if smoke:
+            import torch
+
+            from fp8guard.agent.sources import te_access
+            from tests import fake_te
+
+            self.torch, self.te, self.recipes, self.device = torch, fake_te, fake_te, "cpu"
+            self._stack.enter_context(te_access.substitute(fake_te))
+            self.versions = {"torch": torch.__version__, "transformer_engine": "stand-in (tests/fake_te.py)"}
+        else:
+            torch, te = require_te(BENCH)
+            import transformer_engine
+            import transformer_engine.common.recipe as recipes
+
+            self.torch, self.te, self.recipes, self.device = torch, te, recipes, "cuda"
+            self.versions = {"torch": torch.__version__, "transformer_engine": transformer_engine.__version__,
+                             "device": torch.cuda.get_device_name()}
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def allocated(self) -> int:
+        return int(self.torch.cuda.memory_allocated()) if self.cuda else 0
+
+    def model(self, layers: int, hidden: int, seq: int, batch: int) -> TEModel:
+        return TEModel(Shape(layers=layers, hidden=hidden, seq=seq, batch=batch), te=self.te, recipes=self.recipes,
+                       device=self.device)
+
+    def monitor(self, m: TEModel) -> Any:
+        from fp8guard.agent import Monitor, MonitorConfig, NullTransport
+
+        return Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
+                       transport=NullTransport()).attach(m.model, m.opt)
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _stats(xs: list[float], nd: int = 1) -> dict[str, Any]:
+    s = sorted(xs)
+    return {"median": round(statistics.median(s), nd), "p90": round(s[int(0.9 * (len(s) - 1))], nd),
+            "min": round(s[0], nd), "n": len(s)} if s else {"n": 0}
+
+
+def _us_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e6
+
+
+def _monitor_buffers(monitor: Any, device_type: str) -> int:
+    """Bytes of the ``device_type`` tensors the monitor and its sources keep (TE's own tensors and
+    the model's parameters are left out)."""
+    torch = sys.modules["torch"]
+    seen: set[int] = set()
+    storages: set[int] = set()
+    total = 0
+    not_ours = {"_params", "_columns", "entries", "_hists", "_scales", "_gather", "_switchable", "_metas", "_te"}
+
+    def walk(obj: Any, depth: int) -> None:
+        nonlocal total
+        if depth > 5 or id(obj) in seen or isinstance(obj, (type, torch.nn.Module, str, bytes, int, float)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if obj.device.type == device_type and storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth + 1)
+        elif not callable(obj):
+            names = list(getattr(obj, "__dict__", {})) + list(getattr(type(obj), "__slots__", ()))
+            for name in names:
+                if name not in not_ours:
+                    walk(getattr(obj, name, None), depth + 1)
+
+    for part in (monitor._ring, monitor._grad_norm, monitor._tripwire, *monitor.sources):
+        walk(part, 0)
+    return total
+
+
+def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
+    """Attach cost and monitor.step host time for one depth."""
+    torch = env.torch
+    m = env.model(layers, a.hidden, a.seq, a.batch)
+    for _ in range(a.warmup):
+        m.step()
+    env.sync()
+    plain: list[float] = []
+    for _ in range(a.warmup + 2):
+        env.sync()
+        t0 = time.perf_counter()
+        m.step()
+        env.sync()
+        plain.append(_us_since(t0) / 1e3)
+    before = env.allocated()
+    t0 = time.perf_counter()
+    monitor = env.monitor(m)
+    env.sync()
+    attach_ms = _us_since(t0) / 1e3
+    attached = env.allocated() - before
+    for _ in range(a.warmup):
+        m.step(monitor)
+    env.sync()
+    in_loop: list[float] = []
+    for _ in range(a.steps):
+        loss = m.forward_backward()
+        m.opt.step()
+        t0 = time.perf_counter()
+        monitor.step(loss)
+        in_loop.append(_us_since(t0))
+        m.opt.zero_grad(set_to_none=True)
+    idle: list[float] = []
+    norm_us: list[float] = []
+    read_us: list[float] = []
+    peak = 0
+    src = monitor.sources[0]
+    buf = torch.zeros(4, len(monitor.tensors), device=env.device)
+    for _ in range(a.idle_steps):
+        loss = m.forward_backward()
+        m.opt.step()
+        env.sync()
+        base = env.allocated()
+        if env.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        monitor.step(loss)
+        idle.append(_us_since(t0))
+        env.sync()
+        if env.cuda:
+            peak = max(peak, int(torch.cuda.max_memory_allocated()) - base)
+        t0 = time.perf_counter()
+        monitor._device_grad_norm()
+        norm_us.append(_us_since(t0))
+        env.sync()
+        t0 = time.perf_counter()
+        src.read(buf)
+        read_us.append(_us_since(t0))
+        env.sync()
+        m.opt.zero_grad(set_to_none=True)
+    point = {
+        "layers": layers, "hidden": a.hidden, "seq": a.seq, "batch": a.batch, "params_M": m.params_m,
+        "columns": len(monitor.tensors), "gradients": sum(1 for p in m.model.parameters() if p.requires_grad),
+        "plain_step_ms": _stats(plain, 2), "attach_ms": round(attach_ms, 1),
+        "attach_allocated_bytes": attached, "monitor_buffers_bytes": _monitor_buffers(monitor, env.device),
+        "step_transient_peak_bytes": peak,
+        "monitor_step_host_us_in_loop": _stats(in_loop), "monitor_step_host_us_idle": _stats(idle),
+        "grad_norm_host_us_idle": _stats(norm_us), "te_read_host_us_idle": _stats(read_us),
+        "monitor_broken": bool(monitor._broken),
+    }
+    monitor.close()
+    del monitor, m, src, buf
+    env.free()
+    return point
+
+
+def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, batch: int) -> dict[str, Any]:
+    """Plain FP8 step against monitored step, blocks interleaved in one process."""
+    m = env.model(layers, hidden, seq, batch)
+    m.step()
+    env.sync()
+    monitor = env.monitor(m)
+    for mode in (None, monitor):
+        for _ in range(a.warmup):
+            m.step(mode)
+    env.sync()
+    per_step: dict[str, list[float]] = {"plain": [], "monitor": []}
+    host_us: list[float] = []
+    for r in range(a.rounds):
+        for mode in (("plain", "monitor") if r % 2 == 0 else ("monitor", "plain")):
+            env.sync()
+            t0 = time.perf_counter()
+            for _ in range(a.block):
+                if mode == "plain":
+                    m.step()
+                    continue
+                loss = m.forward_backward()
+                m.opt.step()
+                c0 = time.perf_counter()
+                monitor.step(loss)
+                host_us.append(_us_since(c0))
+                m.opt.zero_grad(set_to_none=True)
+            env.sync()
+            per_step[mode].append(_us_since(t0) / 1e3 / a.block)
+    plain, mon = statistics.median(per_step["plain"]), statistics.median(per_step["monitor"])
+    paired = sorted(x / p for x, p in zip(per_step["monitor"], per_step["plain"], strict=True))
+    result = {
+        "layers": layers, "hidden": hidden, "seq": seq, "batch": batch, "params_M": m.params_m,
+        "columns": len(monitor.tensors), "rounds": a.rounds, "block": a.block,
+        "plain_ms_per_step": round(plain, 3), "monitor_ms_per_step": round(mon, 3),
+        "ratio": round(mon / plain, 5), "paired_ratio_median": round(statistics.median(paired), 5),
+        "paired_ratio_min_max": [round(paired[0], 5), round(paired[-1], 5)],
+        "plain_block_ms_min_max": [round(min(per_step["plain"]), 3), round(max(per_step["plain"]), 3)],
+        "monitor_block_ms_min_max": [round(min(per_step["monitor"]), 3), round(max(per_step["monitor"]), 3)],
+        "monitor_step_host_us_in_loop": _stats(host_us),
+        "target_ratio_max": TARGET_RATIO, "meets_target": mon / plain <= TARGET_RATIO,
+        "sync_debug": _sync_check(env, m, monitor, a.sync_steps),
+        "monitor_broken": bool(monitor._broken),
+    }
+    monitor.close()
+    del monitor, m
+    env.free()
+    return result
+
+
+def _sync_check(env: Env, m: TEModel, monitor: Any, steps: int) -> dict[str, Any] | None:
+    """Monitored steps under ``set_sync_debug_mode("error")`` (a sync raises)."""
+    if not env.cuda or steps <= 0:
+        return None
+    torch = env.torch
+    out: dict[str, Any] = {"steps": steps, "raised": None}
+    for i in range(steps):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            m.step(monitor)
+        except RuntimeError as exc:
+            out["raised"] = {"at_step": i, "error": str(exc).splitlines()[0][:300],
+                             "where": [f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                       for f in traceback.extract_tb(exc.__traceback__)[-6:]]}
+            m.opt.zero_grad(set_to_none=True)
+            break
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    env.sync()
+    return out
+
+
+@contextlib.contextmanager
+def _part(result: dict[str, Any], key: str, started: float, budget_s: float,
+          cleanup: Callable[[], None]) -> Iterator[Callable[[Any], None]]:
+    """Run one part unless the budget is spent; an error is recorded, the other parts still run."""
+    if time.perf_counter() - started > budget_s:
+        result[key] = {"skipped": f"time budget of {budget_s} s spent"}
+        yield lambda value: None
+        return
+    t0 = time.perf_counter()
+    try:
+        yield lambda value: result.__setitem__(key, value)
+    except Exception as exc:  # one failed part (e.g. out of memory) must not lose the others
+        result[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if "error" in result.get(key, {}):
+        cleanup()  # after the except block, so the traceback no longer holds the part's model
+    if isinstance(result.get(key), dict):
+        result[key]["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def main() -> None:
+    a = _args()
+    env = Env(a.smoke)
+    records = Records()
+    logging.getLogger("fp8guard").addHandler(records)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"bench": BENCH, "smoke": a.smoke, **env.versions,
+                              "monitor": {"sources": ["te"], "flush_interval_steps": 50, "count_interval_steps": 0,
+                                          "transport": "NullTransport", "grad_norm": "computed by the monitor"}}
+    try:
+        depths = [int(x) for x in a.layers.split(",")]
+        sweep: dict[str, Any] = {}
+        for layers in depths:
+            with _part(sweep, str(layers), started, a.budget_s, env.free) as put:
+                put(depth_point(env, a, layers))
+        result["sweep"] = sweep
+        small, large = (2, 32, 8, 2), (4, 32, 8, 2)
+        models = {"604M_12x2048": (12, 2048, 2048, 8), "48x1024": (48, 1024, 1024, 8)} if not a.smoke else \
+            {"smoke_2x32": small, "smoke_4x32": large}
+        ratios: dict[str, Any] = {}
+        for name, shape in models.items():
+            with _part(ratios, name, started, a.budget_s, env.free) as put:
+                put(ratio(env, a, *shape))
+        result["ratios"] = ratios
+    finally:
+        env.close()
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["agent_log"] = records.messages[:10]
+    summary = {"bench": BENCH, "smoke": a.smoke,
+               "host_us_in_loop_median_by_layers": {k: v.get("monitor_step_host_us_in_loop", {}).get("median")
+                                                    for k, v in result["sweep"].items()},
+               "ratios": {k: v.get("ratio", v.get("error") or v.get("skipped")) for k, v in result["ratios"].items()},
+               "seconds": result["seconds"]}
+    if a.out:
+        out = Path(a.out)
+        if out.suffix != ".json":
+            out = out / f"{BENCH}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        summary["out"] = str(out)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""bench/gpu_host_cost.py without a GPU: it skips cleanly, and ``--smoke`` runs every part of it on
+the CPU over the TE stand-in (tests/fake_te.py). The smoke run proves the script runs and writes
+its result; its timings are the CPU's and mean nothing for the H200."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> dict:  # type: ignore[type-arg]
+    proc = subprocess.run([sys.executable, "bench/gpu_host_cost.py", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the bench would run for real")
+def test_skips_cleanly_without_a_gpu() -> None:
+    line = _run()
+    assert "skipped" in line and "GPU" in line["skipped"]
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    summary = _run("--smoke", "--out", str(tmp_path / "host.json"))
+    full = json.loads((tmp_path / "host.json").read_text())
+    assert summary["smoke"] is True and full["transformer_engine"].startswith("stand-in")
+    assert set(full["sweep"]) == {"2", "4", "8"} and set(full["ratios"]) == {"smoke_2x32", "smoke_4x32"}
+    for layers, point in full["sweep"].items():
+        assert "error" not in point, point
+        assert point["columns"] == 12 * int(layers) and not point["monitor_broken"]
+        assert point["monitor_step_host_us_in_loop"]["n"] == 4 and point["monitor_buffers_bytes"] > 0
+    for result in full["ratios"].values():
+        assert "error" not in result, result
+        assert result["ratio"] > 0 and not result["monitor_broken"]
+    assert full["agent_log"] == []
