@@ -141,8 +141,8 @@ class TESource:
             from fp8guard.agent.sources import te_inspect
 
             self._inspect = te_inspect.InspectCounts(self._inspect_targets(te_inspect.TENSOR_NAMES), self._counts)
-        if self._delayed is None or self.exact_counts == "hooks":
-            self._hooks.install()
+        if self._delayed is None:
+            self._hooks.install()  # current/block scaling: the hooks are the measurement
 
     def _count_scale(self, col: Column, amax: torch.Tensor | None) -> torch.Tensor:
         """The scale of a cast being counted: TE's live slot (delayed), the formula (current)."""
@@ -227,6 +227,13 @@ class TESource:
             self._inspect.armed = enabled and self._inspect_open and self.supports_counts
             return
         self._hooks.counting = enabled and self.supports_counts
+        if self._delayed is not None:
+            # Under delayed scaling the hooks only count: present on counted steps alone, so the
+            # other steps' forwards run no per-module code of fp8guard.
+            if self._hooks.counting:
+                self._hooks.install()
+            else:
+                self._hooks.uninstall()
 
     def read_counts(self, out: torch.Tensor) -> None:
         out.copy_(self._counts.t())

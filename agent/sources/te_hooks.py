@@ -48,7 +48,14 @@ class HookObserver:
         self._seen = [False] * n
         self._handles: list[Any] = []
 
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
     def install(self) -> None:
+        """Register the module hooks (idempotent)."""
+        if self._handles:
+            return
         by_module: dict[int, list[Column]] = {}
         for c in self._columns:
             if c.hooked:
@@ -69,10 +76,14 @@ class HookObserver:
         self.amax.zero_()
         self._seen = [False] * len(self._seen)
 
-    def remove(self) -> None:
+    def uninstall(self) -> None:
+        """Remove the module hooks (a forward then runs no code of this observer)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def remove(self) -> None:
+        self.uninstall()
         self.measure = self.counting = False
 
     # -- hooks (run inside the user's forward/backward) -------------------------------------------

@@ -205,3 +205,26 @@ def test_seam_nests_and_restores() -> None:
     with te_access.substitute(fake_te) as inner:
         assert te_access.load_te(required=False) is inner is not outer
     assert te_access.load_te(required=False) is outer
+
+
+def test_delayed_scaling_hooks_only_while_counting() -> None:
+    model = stack(2)
+    recipe = fake_te.DelayedScaling(amax_history_len=4)
+    train_step(model, recipe, 0)
+    src = te.discover(model, required=True, exact_counts="hooks")
+    assert src is not None and src.supports_counts
+
+    def hooks() -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    assert hooks() == 0  # the reads need none: an uncounted step runs no code of fp8guard per module
+    src.arm_counts(True)
+    assert hooks() > 0
+    train_step(model, recipe, 1)
+    counts = torch.zeros(2, len(src.tensors()), dtype=torch.int64)
+    src.read_counts(counts)
+    src.arm_counts(False)
+    assert hooks() == 0
+    counted = torch.tensor(src.counted)
+    assert bool((counts[:, ~counted] == 0).all())
+    src.close()
