@@ -37,7 +37,16 @@ from fp8guard.agent.harm import HarmProbe, LossFn
 from fp8guard.agent.shipper import Shipper
 from fp8guard.agent.sources import discover_sources
 from fp8guard.agent.sources.base import COUNT_STATS, STATS, ProbeableSource, Source, TensorSpec
-from fp8guard.agent.telemetry import FP8_LOSS_GAP, GRAD_NORM, LOSS, LOSS_FP8, FlushPacket, GradNorm, StepRing
+from fp8guard.agent.telemetry import (
+    FP8_LOSS_GAP,
+    GRAD_NORM,
+    LOSS,
+    LOSS_FP8,
+    FlushPacket,
+    GradNorm,
+    StepRing,
+    norm_of_grads,
+)
 from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
 from fp8guard.agent.tripwire import Tripwire
 
@@ -593,9 +602,11 @@ class Monitor:
 def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
     """Global L2 norm of the gradients, computed on the device (no host sync); None without grads.
 
-    A few multi-tensor launches whatever the number of parameters (:class:`GradNorm`; build one
-    ``GradNorm`` and call it every step to group the parameters only once)."""
-    return GradNorm(params)()
+    One ``torch._foreach_norm`` over every gradient (multi-tensor kernels where they share a
+    dtype and device), then one stack and one norm. A loop calling this every step should build
+    a :class:`~fp8guard.agent.telemetry.GradNorm` once and call it instead (the Monitor does):
+    it groups the parameters by dtype once, so mixed dtypes keep the multi-tensor path."""
+    return norm_of_grads([p.grad for p in params if p.grad is not None])
 
 
 def _put(slot: torch.Tensor, value: torch.Tensor | float) -> None:

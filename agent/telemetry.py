@@ -20,7 +20,7 @@ from torch import nn
 
 from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, STATS
 
-__all__ = ["FlushPacket", "GradNorm", "StepRing"]
+__all__ = ["FlushPacket", "GradNorm", "StepRing", "norm_of_grads"]
 
 LOSS, GRAD_NORM, LR, LOSS_FP8, LOSS_BF16, FP8_LOSS_GAP = range(6)
 _HARM = ("loss_fp8", "loss_bf16", "fp8_loss_gap")
@@ -198,13 +198,17 @@ def _norm_of(norms: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def norm_of_grads(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The global L2 norm of ``grads`` in one ``torch._foreach_norm`` (multi-tensor kernels where
+    the tensors share a dtype and device), one stack and one norm; None for no tensors."""
+    return _norm_of(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
+
+
 def _ordered_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     """Some parameters have no gradient this step: group what is there, in parameter order."""
-    if not grads:
-        return None
     keys = {(g.device, g.dtype) for g in grads}
-    if len(keys) == 1:
-        return _norm_of(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    if len(keys) <= 1:
+        return norm_of_grads(grads)
     norms: list[Any] = [None] * len(grads)
     for key in keys:
         at = [i for i, g in enumerate(grads) if (g.device, g.dtype) == key]
