@@ -24,13 +24,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
 
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow
 
-__all__ = ["count_cast_into", "sum_of_squares_into", "triton_available"]
+__all__ = ["TableSumOfSquares", "count_cast_into", "sum_of_squares_into", "triton_available"]
 
 _BLOCK = 4096
 _ROWS, _COLS = 64, 64
@@ -115,7 +116,26 @@ def _triton() -> Any:
         # One partial per program into its own slot: the final sum is deterministic.
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
-    return count_kernel, sumsq_kernel
+    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
+    def table_sumsq_kernel(ptrs_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, out_ptr, n_blocks,  # type: ignore[no-untyped-def]
+                           DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        # Many tensors in one launch: program pid reads blocks pid*ITERS .. pid*ITERS+ITERS-1 of the
+        # block table (tensor index, start), the tensor's address from the pointer table.
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(ITERS):
+            b = pid * ITERS + i
+            valid = b < n_blocks
+            t = tl.load(blk_tensor_ptr + b, mask=valid, other=0)
+            start = tl.load(blk_start_ptr + b, mask=valid, other=0)
+            n = tl.load(numel_ptr + t)
+            base = tl.load(ptrs_ptr + t).to(tl.pointer_type(DTYPE))
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=(offs < n) & valid, other=0.0).to(tl.float32)
+            acc += x * x
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))  # one partial per program: deterministic
+
+    return count_kernel, sumsq_kernel, table_sumsq_kernel
 
 
 def triton_available(device: torch.device) -> bool:
@@ -241,3 +261,80 @@ def sum_of_squares_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], *, p
     assert total is not None
     out.copy_(total.reshape(out.shape))
     return partials
+
+
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_PINNED_SLOTS = 8
+"""Host pointer tables in flight at once: the host runs at most this many steps ahead of the device
+before a call falls back (it never waits)."""
+_data_ptr = methodcaller("data_ptr")
+_is_contiguous = methodcaller("is_contiguous")
+_dtype = attrgetter("dtype")
+
+
+class TableSumOfSquares:
+    """``sum(t.float()**2)`` over a fixed list of tensor shapes of one dtype, in one Triton launch.
+
+    Built once for the shapes (e.g. every gradient of a model): a device table of blocks (tensor
+    index, start) and of sizes; per call only the tensors' addresses travel, through pinned host
+    buffers and a non-blocking copy (the tensors may be new each step, as gradients after
+    ``zero_grad(set_to_none=True)`` are). One program per group of consecutive blocks, one partial
+    each: deterministic. :meth:`__call__` returns None instead of waiting when it cannot run now
+    (the host is ``_PINNED_SLOTS`` steps ahead, a tensor is not contiguous or has another dtype):
+    the caller then takes another path for that call. No host sync.
+    """
+
+    def __init__(self, numels: Sequence[int], dtype: torch.dtype, device: torch.device, *,
+                 block: int = _BLOCK) -> None:
+        if _triton() is None:
+            raise RuntimeError("TableSumOfSquares needs Triton")
+        if dtype not in _TL_DTYPE:
+            raise ValueError(f"TableSumOfSquares: unsupported dtype {dtype}")
+        self.dtype, self.device, self.block = dtype, device, block
+        tensor_of: list[int] = []
+        start_of: list[int] = []
+        for i, n in enumerate(numels):
+            for start in range(0, int(n), block):
+                tensor_of.append(i)
+                start_of.append(start)
+        self.n_blocks = len(tensor_of)
+        self._count = len(numels)
+        self._grid, self._iters = _launch_shape(max(1, self.n_blocks) * block, device, block, per_sm=8)
+        self._blk_tensor = torch.tensor(tensor_of, dtype=torch.int32, device=device)
+        self._blk_start = torch.tensor(start_of, dtype=torch.int64, device=device)
+        self._numel = torch.tensor([int(n) for n in numels], dtype=torch.int64, device=device)
+        self._partials = torch.empty(self._grid, dtype=torch.float32, device=device)
+        self._ptrs = torch.zeros(self._count, dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(self._count, dtype=torch.int64, pin_memory=True) for _ in range(_PINNED_SLOTS)] \
+            if cuda else []
+        self._uploaded: list[Any] = [None] * len(self._host)
+        self._slot = 0
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The sum of squares as a 0-d float32 device tensor, or None (see the class docstring)."""
+        if len(tensors) != self._count or not self.n_blocks:
+            return None
+        if not all(map(_is_contiguous, tensors)) or set(map(_dtype, tensors)) != {self.dtype}:
+            return None
+        addresses = torch.tensor(list(map(_data_ptr, tensors)), dtype=torch.int64)
+        if self._host:
+            j = self._slot
+            done = self._uploaded[j]
+            if done is not None and not done.query():  # a query, not a wait
+                return None
+            self._host[j].copy_(addresses)
+            self._ptrs.copy_(self._host[j], non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._uploaded[j] = event
+            self._slot = (j + 1) % len(self._host)
+        else:  # CPU tensors (Triton's interpreter): the addresses are host memory
+            self._ptrs.copy_(addresses)
+        kernel = _triton()[2]
+        import triton.language as tl
+
+        kernel[(self._grid,)](self._ptrs, self._blk_tensor, self._blk_start, self._numel, self._partials, self.n_blocks,
+                              DTYPE=getattr(tl, _TL_DTYPE[self.dtype]), BLOCK=self.block, ITERS=self._iters,
+                              num_warps=8)
+        return self._partials.sum()

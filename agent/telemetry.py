@@ -13,11 +13,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, is_
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.kernels import TableSumOfSquares, triton_available
 from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, STATS
 
 __all__ = ["FlushPacket", "GradNorm", "StepRing", "norm_of_grads"]
@@ -163,12 +165,24 @@ class GradNorm:
     on the device (one index select). No host sync.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, backend: Literal["foreach", "table"] = "foreach") -> None:
+        """``backend="table"``: each group's sum of squares in one Triton launch over a device
+        table of the gradients (:class:`~fp8guard.agent.kernels.TableSumOfSquares`; CUDA with
+        Triton, or Triton's CPU interpreter). Its value differs from the foreach path in the
+        float32 summation order; a call it cannot serve takes the foreach path."""
         self._params = [p for p in params if p.requires_grad]
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(self._params):
             groups.setdefault((p.device, p.dtype), []).append(i)
         self._groups = list(groups.values())
+        self._tables: list[TableSumOfSquares] = []
+        if backend == "table":
+            for (device, dtype), members in groups.items():
+                if not triton_available(device):
+                    raise ConfigError(f"grad norm backend 'table' needs Triton for {device} tensors")
+                self._tables.append(TableSumOfSquares([self._params[i].numel() for i in members], dtype, device))
+        elif backend != "foreach":
+            raise ConfigError(f"grad norm backend must be 'foreach' or 'table', got {backend!r}")
         order = [i for members in self._groups for i in members]
         self._inverse: torch.Tensor | None = None
         if len(self._groups) > 1:
@@ -184,6 +198,14 @@ class GradNorm:
             return None
         if any(map(is_, grads, repeat(None))):
             return _ordered_norm([g for g in grads if g is not None])
+        if self._tables:
+            sums = [table(grads if len(self._groups) == 1 else [grads[i] for i in members])
+                    for table, members in zip(self._tables, self._groups, strict=True)]
+            if all(x is not None for x in sums):
+                first = sums[0]
+                assert first is not None
+                squares = first if len(sums) == 1 else torch.stack([x.to(first.device) for x in sums if x is not None]).sum()
+                return squares.sqrt()
         if self._inverse is None:  # one group: one device
             total: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
             return total

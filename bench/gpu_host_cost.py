@@ -14,11 +14,14 @@ transport=NullTransport())``, computing its own grad norm (``monitor.step(loss)`
    ``monitor.step``, then the host microseconds of ``monitor.step`` in a training loop that
    never syncs (GPU busy) and with the GPU idle (synchronised before the call), and the idle host
    time of its two parts: the grad norm and the TE source's read.
+   Also the GPU time and bandwidth of the grad norm, foreach (the default) and the one-launch
+   table kernel (``GradNorm(backend="table")``), and their difference from a float64 norm.
 2. ``ratios``: plain FP8 step against monitored step, for the 604M model (12 layers, hidden 2048,
    sequence 2048, batch 8) and the 48-layer hidden-1024 model: ``--rounds`` rounds of one block
-   of ``--block`` steps per mode, the order flipping every round, in one process; a block is
-   synchronise, steps, synchronise. Ratio of medians and median of per-round ratios. Then
-   ``--sync-steps`` monitored steps under ``torch.cuda.set_sync_debug_mode("error")``.
+   of ``--block`` steps per mode (plain; monitor; monitor with the table grad norm), the order
+   rotating every round, in one process; a block is synchronise, steps, synchronise. Ratio of
+   medians and median of per-round ratios. Then ``--sync-steps`` monitored steps (each norm)
+   under ``torch.cuda.set_sync_debug_mode("error")``.
 
 Prints one JSON summary line; writes the full result to ``--out`` (a file, or a folder that gets
 ``gpu_host_cost.json``). Without CUDA/TE/FP8 it prints a skip line and exits 0, unless
@@ -232,7 +235,9 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         read_us.append(_us_since(t0))
         env.sync()
         m.opt.zero_grad(set_to_none=True)
+    norm_gpu = _norm_gpu_probe(env, m, monitor, _table_norm(env, m))
     point = {
+        "grad_norm_gpu": norm_gpu,
         "layers": layers, "hidden": a.hidden, "seq": a.seq, "batch": a.batch, "params_M": m.params_m,
         "columns": len(monitor.tensors), "gradients": sum(1 for p in m.model.parameters() if p.requires_grad),
         "plain_step_ms": _stats(plain, 2), "attach_ms": round(attach_ms, 1),
@@ -248,22 +253,72 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
     return point
 
 
+def _table_norm(env: Env, m: TEModel) -> Any:
+    """The one-launch-per-dtype grad norm (``GradNorm(backend="table")``), or None where Triton
+    cannot run it (the CPU smoke run)."""
+    from fp8guard.agent.kernels import triton_available
+    from fp8guard.agent.telemetry import GradNorm
+
+    if not triton_available(env.torch.device(env.device)):
+        return None
+    return GradNorm(m.model.parameters(), backend="table")
+
+
+def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, table: Any, repeats: int = 5) -> dict[str, Any] | None:
+    """GPU time (CUDA events, idle GPU) of the grad norm, foreach (the default) and table, on the
+    gradients of one step; their bandwidth and agreement."""
+    if not env.cuda:
+        return None
+    torch = env.torch
+    m.forward_backward()
+    grads = [p.grad for p in m.model.parameters() if p.grad is not None]
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    out: dict[str, Any] = {"grad_bytes_GB": round(nbytes / 1e9, 3)}
+    values: dict[str, float] = {}
+    for name, fn in (("foreach", monitor._grad_norm), ("table", table)):
+        if fn is None:
+            continue
+        fn()  # warm-up (Triton compiles)
+        torch.cuda.synchronize()
+        ms: list[float] = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            value = fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms.append(start.elapsed_time(end))
+        values[name] = float(value)
+        out[name] = {"ms": round(statistics.median(ms), 4), "GBps": round(nbytes / 1e6 / statistics.median(ms))}
+    reference = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])))
+    out["rel_diff_vs_float64"] = {k: abs(v - reference) / reference for k, v in values.items()}
+    m.opt.zero_grad(set_to_none=True)
+    return out
+
+
 def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, batch: int) -> dict[str, Any]:
-    """Plain FP8 step against monitored step, blocks interleaved in one process."""
+    """Plain FP8 step against monitored step (grad norm: foreach, and the table kernel where it
+    runs), blocks of each mode in an order rotating every round, in one process."""
     m = env.model(layers, hidden, seq, batch)
     m.step()
     env.sync()
     monitor = env.monitor(m)
-    for mode in (None, monitor):
+    norms = {"monitor": monitor._grad_norm, "monitor_table": _table_norm(env, m)}
+    modes = ["plain", *(k for k, v in norms.items() if v is not None)]
+    for mode in modes:
+        if mode != "plain":
+            monitor._grad_norm = norms[mode]
         for _ in range(a.warmup):
-            m.step(mode)
+            m.step(None if mode == "plain" else monitor)
     env.sync()
-    per_step: dict[str, list[float]] = {"plain": [], "monitor": []}
-    host_us: list[float] = []
+    per_step: dict[str, list[float]] = {k: [] for k in modes}
+    host_us: dict[str, list[float]] = {k: [] for k in modes if k != "plain"}
     for r in range(a.rounds):
         if r >= 4 and time.perf_counter() > a.deadline:
             break  # the whole call must end inside the device's per-command limit
-        for mode in (("plain", "monitor") if r % 2 == 0 else ("monitor", "plain")):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            if mode != "plain":
+                monitor._grad_norm = norms[mode]
             env.sync()
             t0 = time.perf_counter()
             for _ in range(a.block):
@@ -274,27 +329,39 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
                 m.opt.step()
                 c0 = time.perf_counter()
                 monitor.step(loss)
-                host_us.append(_us_since(c0))
+                host_us[mode].append(_us_since(c0))
                 m.opt.zero_grad(set_to_none=True)
             env.sync()
             per_step[mode].append(_us_since(t0) / 1e3 / a.block)
-    plain, mon = statistics.median(per_step["plain"]), statistics.median(per_step["monitor"])
-    paired = sorted(x / p for x, p in zip(per_step["monitor"], per_step["plain"], strict=True))
-    result = {
+    monitor._grad_norm = norms["monitor"]
+    plain = statistics.median(per_step["plain"])
+    result: dict[str, Any] = {
         "layers": layers, "hidden": hidden, "seq": seq, "batch": batch, "params_M": m.params_m,
         "columns": len(monitor.tensors), "rounds": len(per_step["plain"]), "block": a.block,
-        "plain_ms_per_step": round(plain, 3), "monitor_ms_per_step": round(mon, 3),
-        "ratio": round(mon / plain, 5), "paired_ratio_median": round(statistics.median(paired), 5),
-        "paired_ratio_min_max": [round(paired[0], 5), round(paired[-1], 5)],
+        "modes": modes, "plain_ms_per_step": round(plain, 3),
         "plain_block_ms_min_max": [round(min(per_step["plain"]), 3), round(max(per_step["plain"]), 3)],
-        "monitor_block_ms_min_max": [round(min(per_step["monitor"]), 3), round(max(per_step["monitor"]), 3)],
-        "monitor_step_host_us_in_loop": _stats(host_us),
-        "target_ratio_max": TARGET_RATIO, "meets_target": mon / plain <= TARGET_RATIO,
-        "sync_debug": _sync_check(env, m, monitor, a.sync_steps),
-        "monitor_broken": bool(monitor._broken),
+        "target_ratio_max": TARGET_RATIO,
     }
+    for mode in modes[1:]:
+        ms = statistics.median(per_step[mode])
+        paired = sorted(x / p for x, p in zip(per_step[mode], per_step["plain"], strict=True))
+        key = "" if mode == "monitor" else "table_"
+        result.update({
+            f"{key}monitor_ms_per_step": round(ms, 3), f"{key}ratio": round(ms / plain, 5),
+            f"{key}paired_ratio_median": round(statistics.median(paired), 5),
+            f"{key}paired_ratio_min_max": [round(paired[0], 5), round(paired[-1], 5)],
+            f"{key}monitor_block_ms_min_max": [round(min(per_step[mode]), 3), round(max(per_step[mode]), 3)],
+            f"{key}monitor_step_host_us_in_loop": _stats(host_us[mode]),
+            f"{key}meets_target": ms / plain <= TARGET_RATIO,
+        })
+    result["sync_debug"] = _sync_check(env, m, monitor, a.sync_steps)
+    if norms["monitor_table"] is not None:
+        monitor._grad_norm = norms["monitor_table"]
+        result["table_sync_debug"] = _sync_check(env, m, monitor, a.sync_steps)
+        monitor._grad_norm = norms["monitor"]
+    result["monitor_broken"] = bool(monitor._broken)
     monitor.close()
-    del monitor, m
+    del monitor, m, norms
     env.free()
     return result
 

@@ -123,3 +123,41 @@ def test_triton_kernels_under_the_interpreter() -> None:
         assert row[0] == row[1] == row[2] == row[3], row
         assert row[0][0] > 0 and row[0][1] > 0  # both counts exercised
     assert got["sumsq"] == pytest.approx(got["ref"], rel=1e-5)
+
+
+_TABLE = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent.telemetry import GradNorm, norm_of_grads
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3, 4096 + 5), (0,), (77,), (4096,), (2, 33), (5000,)]
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=d)) for s, d in zip(shapes, dtypes)]
+    norm = GradNorm(params, backend="table")
+    out = []
+    for step in range(3):  # new gradient tensors every step, as after zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g) * (step + 1)).to(p.dtype)
+        if step == 2:  # a non-contiguous gradient: that call takes the foreach path
+            params[4].grad = torch.randn(33, 2, generator=g).t()
+        ref = sum(float(p.grad.double().square().sum()) for p in params) ** 0.5
+        foreach = float(norm_of_grads([p.grad for p in params]))
+        served = [t([params[i].grad for i in m]) is not None for t, m in zip(norm._tables, norm._groups)]
+        out.append({"table": float(norm()), "ref": ref, "foreach": foreach, "served": served})
+    print(json.dumps(out))
+""")
+
+
+def test_table_grad_norm_under_the_interpreter() -> None:
+    """GradNorm's one-launch-per-dtype Triton path (a device table of gradient addresses)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _TABLE], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    for s in steps:
+        assert s["table"] == pytest.approx(s["ref"], rel=1e-6), s
+    assert [s["served"] for s in steps] == [[True] * 3, [True] * 3, [True, False, True]]  # 3 dtype groups
+    assert steps[2]["table"] == steps[2]["foreach"]  # the fallback is the foreach value itself
+    assert len({s["ref"] for s in steps}) == 3
