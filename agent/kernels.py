@@ -299,7 +299,12 @@ class TableSumOfSquares:
                 start_of.append(start)
         self.n_blocks = len(tensor_of)
         self._count = len(numels)
-        self._grid, self._iters = _launch_shape(max(1, self.n_blocks) * block, device, block, per_sm=8)
+        # As many programs as fill the GPU eight deep, each over an equal run of blocks (the
+        # run length is exact, not a power of two: one compiled variant per model and dtype).
+        index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else 0)
+        self._iters = max(1, -(-self.n_blocks // _max_programs(index, 8)))
+        self._grid = max(1, -(-self.n_blocks // self._iters))
         self._blk_tensor = torch.tensor(tensor_of, dtype=torch.int32, device=device)
         self._blk_start = torch.tensor(start_of, dtype=torch.int64, device=device)
         self._numel = torch.tensor([int(n) for n in numels], dtype=torch.int64, device=device)
