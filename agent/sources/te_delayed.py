@@ -161,7 +161,7 @@ class DelayedReader:
                 states = list(map(dict.get, self._metas, self._keys))
                 same = all(map(is_, map(getattr, states, repeat("amax_history")), self._hists)) and \
                     all(map(is_, map(getattr, states, repeat("scale")), self._scales))
-            except AttributeError:  # a state is gone: the checked path below says which
+            except (AttributeError, TypeError):  # a state is gone: the checked path below says which
                 same = False
             if same:
                 return self._hists, self._scales
