@@ -228,3 +228,23 @@ def test_delayed_scaling_hooks_only_while_counting() -> None:
     counted = torch.tensor(src.counted)
     assert bool((counts[:, ~counted] == 0).all())
     src.close()
+
+
+def test_delayed_reader_follows_reallocated_state_and_refuses_lost_state() -> None:
+    model = stack(1)
+    recipe = fake_te.DelayedScaling(amax_history_len=4)
+    train_step(model, recipe, 0)
+    src = te.discover(model, required=True)
+    assert src is not None
+    read(src)
+    state = model[0].layernorm_mlp.fp8_meta["scaling_fwd"]
+    # TE's adjust_amax_history_length: a new, longer history tensor in place of the old one
+    state.amax_history = torch.cat([torch.zeros(4, 6), state.amax_history])
+    train_step(model, recipe, 1)
+    w = column(src, "0.layernorm_mlp.fc1:fwd_weight")
+    out = read(src)
+    assert torch.equal(out[AMAX, w], state.amax_history[-1, 1])
+    assert torch.equal(out[HISTORY_MAX, w], state.amax_history[:, 1].amax())
+    del model[0].layernorm_mlp.fp8_meta["scaling_bwd"]  # a recipe change or a reset after attach
+    with pytest.raises(RuntimeError, match="is gone"):
+        read(src)
