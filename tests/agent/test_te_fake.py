@@ -248,3 +248,25 @@ def test_delayed_reader_follows_reallocated_state_and_refuses_lost_state() -> No
     del model[0].layernorm_mlp.fp8_meta["scaling_bwd"]  # a recipe change or a reset after attach
     with pytest.raises(RuntimeError, match="is gone"):
         read(src)
+
+
+def test_probe_leaves_precision_and_te_state_as_they_were() -> None:
+    model = stack(2)
+    recipe = fake_te.DelayedScaling(amax_history_len=4)
+    train_step(model, recipe, 0)
+    train_step(model, recipe, 1)
+    src = te.discover(model, required=True)
+    assert src is not None
+    src.set_fp8(["1.layernorm_mlp"], False)
+    precision = src.precision()
+    hists, scales = src._live_state()
+    before = [t.clone() for t in (*hists, *scales)]
+    with src.probe({"0.layernorm_mlp": False, "1.layernorm_mlp": True}):
+        assert src.precision()["0.layernorm_mlp"] is False and src.precision()["1.layernorm_mlp"] is True
+        with fake_te.autocast(enabled=True, recipe=recipe):  # an autocast exit that updates TE's state
+            model(torch.randn(4, 16) * 100)
+    assert src.precision() == precision
+    assert all(torch.equal(a, b) for a, b in zip(before, (*hists, *scales), strict=True))
+    out = read(src)
+    cols = [i for i, s in enumerate(src.tensors()) if s.module.startswith("1.layernorm_mlp")]
+    assert torch.equal(out[AMAX, cols], torch.zeros(len(cols)))  # the fallback's mask is back too
