@@ -185,10 +185,16 @@ class Healer:
         monitor.event(wire.EventKind.CHECKPOINT_SAVED, step=step, data={"path": str(path)})
 
     def _resume(self) -> None:
-        steps = self.checkpoints.steps()
-        if not steps:
+        # Every rank resumes from the same step: the newest one all of them hold (a crash while
+        # saving can leave the newest file on some ranks only).
+        per_rank = self.remediator.gather(set(self.checkpoints.steps()))
+        common = set.intersection(*per_rank)
+        if not common:
+            if any(per_rank):
+                log.warning("fp8guard: no checkpoint step is held by every rank (%s); starting afresh",
+                            [sorted(s)[-3:] for s in per_rank])
             return
-        step = steps[-1]
+        step = max(common)
         extra = self.checkpoints.load(step)
         state = extra.get("monitor")
         if isinstance(state, dict):

@@ -1,10 +1,11 @@
 """``Monitor``: the one object a training loop talks to.
 
-    monitor = Monitor(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8")).attach(model, optimizer)
-    for batch in data:
-        loss = model(batch); loss.backward(); optimizer.step()
-        monitor.step(loss)            # no host sync; call before zero_grad if grad norm is computed here
-        optimizer.zero_grad()
+    monitor = Monitor(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8")).attach(
+        model, optimizer, scheduler=scheduler, heal=HealConfig("ckpt/"))   # heal=: optional
+    for batch in monitor.batches(data):   # saves checkpoints; a rollback moves the data back
+        loss = model(batch); loss.backward()
+        monitor.step(loss)            # no host sync; before optimizer.step and zero_grad
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
     monitor.close()
 
 Per step the monitor only enqueues device work into preallocated buffers; every
