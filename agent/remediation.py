@@ -11,11 +11,13 @@ with its checkpoints, and ``monitor.batches(data)`` applies rollbacks at the bat
                               load_data_state=lambda s: setattr(data, "position", s["position"]))
     monitor = Monitor(MonitorConfig(url=..., run_id=...))
     monitor.attach(model, opt, handler=Remediator(checkpoints=ckpts))
-    while monitor.next_step < total:      # a rollback moves monitor.next_step back
+    while monitor.next_step < total:
         step = monitor.next_step
         x, y = data.next()
         loss = model(x, y); loss.backward()
         monitor.step(loss)                # may apply a command, on every rank at the same step
+        if monitor.next_step != step + 1:  # rolled back (restored in place): skip the rest
+            continue
         opt.step(); sched.step(); opt.zero_grad()
         ckpts.maybe_save(step, extra={"monitor": monitor.state_dict()})
 
