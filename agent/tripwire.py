@@ -3,7 +3,11 @@ two later and without a per-step sync, that something is wrong right now.
 
 Per step it enqueues a few scalar ops on the device: a non-finite loss or gradient norm, a loss
 or gradient norm far above its running baseline (exponential averages kept on the device), or a
-saturation ratio far above the FP8 maximum. The verdict is copied non-blocking into its own
+saturation ratio far above the FP8 maximum. Before the baseline has its ``warmup_steps`` values,
+the bounds are the service's early ones, over fewer steps in a row: a loss above the run's first
+loss by ``early_loss_rise``, a gradient norm ``early_grad_factor`` times its smallest value so
+far, for ``early_steps`` checks in a row (a learning rate far too high blows up in the first
+handful of steps, before any running average means anything). The verdict is copied non-blocking into its own
 word of pinned host memory and an event is recorded. The tripwire decides nothing: the
 service's rules do. It only makes the agent hurry.
 
@@ -87,7 +91,8 @@ class Tripwire:
     """Checks written into device buffers, one host word per pending check; see the module docstring."""
 
     def __init__(self, device: torch.device, *, loss_factor: float, grad_factor: float, saturation: float,
-                 warmup_steps: int, use_loss: bool = True, lag_steps: int = 2, all_reduce: bool = False) -> None:
+                 warmup_steps: int, use_loss: bool = True, lag_steps: int = 2, all_reduce: bool = False,
+                 early_loss_rise: float = 0.05, early_grad_factor: float = 20.0, early_steps: int = 2) -> None:
         if lag_steps < 1:
             raise ValueError(f"lag_steps must be >= 1, got {lag_steps}")
         self.device = device
@@ -95,6 +100,9 @@ class Tripwire:
         self.grad_factor = float(grad_factor)
         self.saturation = float(saturation)
         self.warmup_steps = int(warmup_steps)
+        self.early_loss_rise = float(early_loss_rise)
+        self.early_grad_factor = float(early_grad_factor)
+        self.early_steps = int(early_steps)
         self.use_loss = use_loss
         self.lag_steps = int(lag_steps)
         self.all_reduce = all_reduce
@@ -102,6 +110,10 @@ class Tripwire:
         every step boundary then, as the monitor does): all bits become shared."""
         self._baseline = torch.zeros(2, device=device)  # loss, grad norm averages
         self._seen = torch.zeros(2, device=device)
+        # Before the warm-up ends: the first loss and the smallest gradient norm (the reference of
+        # the early bounds), and how many checks in a row were over them.
+        self._early_ref = torch.zeros(2, device=device)
+        self._early_run = torch.zeros(2, device=device)
         cuda = device.type == "cuda"
         # One word per check that can be pending: the lag's worth, the one just enqueued, and a spare.
         self._capacity = self.lag_steps + 2
@@ -139,10 +151,11 @@ class Tripwire:
             x = value.detach().reshape(()).float()
             finite = torch.isfinite(x)
             warm = self._seen[k] >= self.warmup_steps
-            jump = warm & (x > factor * self._baseline[k])
-            bits = bits | ((~finite | jump).int() * bit)
-            ok = finite & ~jump
             first = self._seen[k] == 0
+            jump = warm & (x > factor * self._baseline[k])
+            early = self._early_over(k, x, finite & ~warm & ~first)
+            bits = bits | ((~finite | jump | early).int() * bit)
+            ok = finite & ~jump
             new = torch.where(first, x, self._baseline[k] + _EMA * (x - self._baseline[k]))
             self._baseline[k] = torch.where(ok, new, self._baseline[k])
             self._seen[k] = self._seen[k] + ok.float()
@@ -166,6 +179,24 @@ class Tripwire:
                 event = self._events[index] = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         self._pending.append(_Slot(step=step, tick=tick, index=index))
+
+    def _early_over(self, k: int, x: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
+        """Whether quantity ``k`` (0: loss, 1: gradient norm) has been over its early bound for
+        ``early_steps`` checks in a row, as a device bool; keeps the bound's reference (the first
+        loss, the smallest gradient norm) and the run of checks over it. ``judged``: a finite
+        value before the warm-up ended, not the first one (which only sets the reference)."""
+        ref = self._early_ref[k]
+        if k == 0:
+            over = x > ref + self.early_loss_rise * ref.abs()
+        else:
+            over = x > self.early_grad_factor * ref
+        over = judged & over
+        run = torch.where(over, self._early_run[k] + 1, torch.zeros_like(ref))
+        self._early_run[k] = run
+        first = (self._seen[k] == 0) & torch.isfinite(x)
+        lower = torch.isfinite(x) & (x < ref) if k == 1 else torch.zeros_like(first)
+        self._early_ref[k] = torch.where(first | lower, x, ref)
+        return run >= self.early_steps
 
     # -- the host side ------------------------------------------------------------------------
 
