@@ -114,6 +114,14 @@ class Tripwire:
         # the early bounds), and how many checks in a row were over them.
         self._early_ref = torch.zeros(2, device=device)
         self._early_run = torch.zeros(2, device=device)
+        # constants of the check, on the device once (a per-step torch.tensor() would copy from
+        # the host, which synchronises)
+        self._bit_values = torch.tensor([LOCAL, SHARED], dtype=torch.int32, device=device)
+        self._factors = torch.tensor([self.loss_factor, self.grad_factor], device=device)
+        self._nan = torch.full((), float("nan"), device=device)
+        self._false = torch.zeros((), dtype=torch.bool, device=device)
+        self._present = torch.eye(2, dtype=torch.bool, device=device)
+        """Row i: only quantity i was passed."""
         cuda = device.type == "cuda"
         # One word per check that can be pending: the lag's worth, the one just enqueued, and a spare.
         self._capacity = self.lag_steps + 2
@@ -143,22 +151,7 @@ class Tripwire:
         if tick < self._next_tick:
             return
         self._next_tick = tick + 1
-        bits = torch.zeros((), dtype=torch.int32, device=self.device)
-        for k, value, factor, bit in ((0, loss if self.use_loss else None, self.loss_factor, LOCAL),
-                                      (1, grad_norm, self.grad_factor, SHARED)):
-            if value is None:
-                continue
-            x = value.detach().reshape(()).float()
-            finite = torch.isfinite(x)
-            warm = self._seen[k] >= self.warmup_steps
-            first = self._seen[k] == 0
-            jump = warm & (x > factor * self._baseline[k])
-            early = self._early_over(k, x, finite & ~warm & ~first)
-            bits = bits | ((~finite | jump | early).int() * bit)
-            ok = finite & ~jump
-            new = torch.where(first, x, self._baseline[k] + _EMA * (x - self._baseline[k]))
-            self._baseline[k] = torch.where(ok, new, self._baseline[k])
-            self._seen[k] = self._seen[k] + ok.float()
+        bits = self._scalar_bits(loss if self.use_loss else None, grad_norm)
         if saturation is not None and saturation.numel():
             bits = bits | ((torch.nan_to_num(saturation, nan=0.0) > self.saturation).any().int() * LOCAL)
         if self.all_reduce and dist.is_available() and dist.is_initialized():
@@ -180,23 +173,36 @@ class Tripwire:
             event.record()
         self._pending.append(_Slot(step=step, tick=tick, index=index))
 
-    def _early_over(self, k: int, x: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
-        """Whether quantity ``k`` (0: loss, 1: gradient norm) has been over its early bound for
-        ``early_steps`` checks in a row, as a device bool; keeps the bound's reference (the first
-        loss, the smallest gradient norm) and the run of checks over it. ``judged``: a finite
-        value before the warm-up ended, not the first one (which only sets the reference)."""
-        ref = self._early_ref[k]
-        if k == 0:
-            over = x > ref + self.early_loss_rise * ref.abs()
-        else:
-            over = x > self.early_grad_factor * ref
-        over = judged & over
-        run = torch.where(over, self._early_run[k] + 1, torch.zeros_like(ref))
-        self._early_run[k] = run
-        first = (self._seen[k] == 0) & torch.isfinite(x)
-        lower = torch.isfinite(x) & (x < ref) if k == 1 else torch.zeros_like(first)
-        self._early_ref[k] = torch.where(first | lower, x, ref)
-        return run >= self.early_steps
+    def _scalar_bits(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """The loss's and the gradient norm's verdict bits, both quantities at once as a
+        2-vector (a fixed, small number of device ops whatever is passed), updating their
+        baselines and early references. A missing quantity is NaN here and changes nothing."""
+        present = [loss is not None, grad_norm is not None]
+        if not any(present):
+            return torch.zeros((), dtype=torch.int32, device=self.device)
+        x = torch.stack([v.detach().reshape(()).float() if v is not None else self._nan
+                         for v in (loss, grad_norm)])
+        finite = torch.isfinite(x)
+        seen, base, ref = self._seen, self._baseline, self._early_ref
+        warm = seen >= self.warmup_steps
+        first = seen == 0
+        jump = warm & (x > self._factors * base)
+        # before the warm-up: the loss over its first value by the early rise, the gradient norm
+        # over the early factor times its smallest value, ``early_steps`` checks in a row
+        bound = torch.stack([ref[0] + self.early_loss_rise * ref[0].abs(), self.early_grad_factor * ref[1]])
+        over = finite & ~warm & ~first & (x > bound)
+        self._early_run.copy_(torch.where(over, self._early_run + 1, torch.zeros_like(x)))
+        early = self._early_run >= self.early_steps
+        lower = torch.stack([self._false, x[1] < ref[1]])
+        self._early_ref.copy_(torch.where(finite & (first | lower), x, ref))
+        ok = finite & ~jump
+        new = torch.where(first, x, base + _EMA * (x - base))
+        self._baseline.copy_(torch.where(ok, new, base))
+        self._seen.copy_(seen + ok.float())
+        tripped = ~finite | jump | early
+        if not all(present):  # a quantity not passed is NaN here: it must not trip
+            tripped = tripped & self._present[present.index(True)]
+        return (tripped.int() * self._bit_values).sum().to(torch.int32)
 
     # -- the host side ------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.scenarios import steps_to_apply  # noqa: E402
+from bench.scenarios import steps_to_apply
 
 # TE 2.20 refuses its own pickled DelayedScaling checkpoint state unless told otherwise; the
 # checkpoints here are written and read by this process only.
