@@ -19,7 +19,7 @@ import httpx
 
 from fp8guard import wire
 from fp8guard.agent.transport.base import RunInfo, TransportStats
-from fp8guard.agent.transport.delivery import Courier, Outcome
+from fp8guard.agent.transport.delivery import Answer, Courier, Outcome
 from fp8guard.agent.transport.payloads import (
     batch_id_of,
     count_steps,
@@ -413,9 +413,12 @@ class HttpTransport:
                 return Outcome.REJECTED
             body = item.body
             assert body is not None
-        outcome = self._courier.deliver(body, gzipped=item.gzipped, batch_id=batch_id_of(item.payload),
-                                        attempts=attempts, deadline=deadline, clock=self._clock,
-                                        spool_note=self._spool_note())
+        answer = self._courier.deliver(body, gzipped=item.gzipped, batch_id=batch_id_of(item.payload),
+                                       attempts=attempts, deadline=deadline, clock=self._clock,
+                                       spool_note=self._spool_note())
+        outcome = answer.outcome
+        if outcome is Outcome.REJECTED:
+            self._log_refusal(batch_id_of(item.payload), answer)
         with self._state:
             if item not in self._outbox:
                 return outcome  # close() spooled it meanwhile; a duplicate is harmless
@@ -469,9 +472,12 @@ class HttpTransport:
                 report = with_tensors(report, self._tensor_table)
                 self._resend_tensors = False
             body = self._serialise(report)
-        outcome = Outcome.REJECTED if body is None else self._courier.deliver(
+        answer = Answer(Outcome.REJECTED) if body is None else self._courier.deliver(
             body, gzipped=False, batch_id=batch_id_of(report), attempts=attempts, clock=self._clock,
             spool_note=self._spool_note())
+        outcome = answer.outcome
+        if outcome is Outcome.REJECTED and body is not None:
+            self._log_refusal(batch_id_of(report), answer)
         with self._state:
             if outcome is Outcome.DELIVERED:
                 self._answered()
@@ -499,9 +505,12 @@ class HttpTransport:
                 spool.remove(entry)
                 self._count_dropped(entry.steps or 0, entry.carried or (0, 0))
             return Outcome.REJECTED
-        outcome = self._courier.deliver(data, gzipped=True, batch_id=f"spool:{entry.path.name}",
-                                        attempts=attempts, deadline=deadline, clock=self._clock,
-                                        spool_note=self._spool_note())
+        answer = self._courier.deliver(data, gzipped=True, batch_id=f"spool:{entry.path.name}",
+                                       attempts=attempts, deadline=deadline, clock=self._clock,
+                                       spool_note=self._spool_note())
+        outcome = answer.outcome
+        if outcome is Outcome.REJECTED:
+            self._log_refusal(f"spool:{entry.path.name}", answer)
         with self._state:
             if outcome is Outcome.FAILED:
                 self._trip()
@@ -523,6 +532,11 @@ class HttpTransport:
         self._open = False
         if not self._outbox and (self._spool is None or not len(self._spool)):
             self._mark_up()
+
+    def _log_refusal(self, batch_id: str, answer: Answer) -> None:
+        if (suppressed := self._limiter.allow(f"reject:{answer.status}")) is not None:
+            log.error("fp8guard: the service refused batch %s with %s, dropping it (reported as "
+                      "telemetry_dropped)%s", batch_id, answer.reason, suppressed_note(suppressed))
 
     def _spool_note(self) -> str:
         where = self.spool_dir if self._spool_max_bytes and not self._spool_unusable else None
@@ -593,7 +607,7 @@ class HttpTransport:
             def make_dir(d: Path) -> None:
                 ensure_private_dir(root, d)
         try:
-            self._spool = Spool(directory, self._spool_max_bytes, make_dir=make_dir)
+            self._spool = Spool(directory, self._spool_max_bytes, make_dir=make_dir, run=self._run)
         except OSError as exc:
             self._spool_unusable = True
             log.warning("fp8guard: cannot use spool directory %s (%s); batches that cannot be delivered "
