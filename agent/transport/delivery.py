@@ -1,7 +1,7 @@
 """One batch to the service: a POST retried with the same bytes, the run registered on the way.
 
 :class:`Courier` knows HTTP and nothing about ordering or the spool (that is
-:class:`~fp8guard.agent.transport.http.HttpTransport`'s job): it answers whether a body was
+:class:`~fp8guard.agent.transport.link.Link`'s job): it answers whether a body was
 delivered, refused for what it is (never retry it), or could not be delivered (keep it).
 """
 
