@@ -1,15 +1,15 @@
 """One batch to the service: a POST retried with the same bytes, the run registered on the way.
 
-:class:`Courier` knows HTTP and nothing about ordering or the spool (that is
-:class:`~fp8guard.agent.transport.link.Link`'s job): it answers whether a body was
-delivered, refused for what it is (never retry it), or could not be delivered (keep it).
+:class:`Courier` knows HTTP and nothing about ordering, the spool or counting (that is
+:class:`~fp8guard.agent.transport.link.Link`'s job): it answers with a typed :class:`Answer`:
+delivered (a duplicate or not, with the commands that rode on it), refused for what it is
+(never retry it), or could not be delivered (keep it). ``fp8guard spool flush`` uses it too.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from fp8guard.agent.transport.base import RunInfo, TransportStats
+from fp8guard.agent.transport.base import RunInfo
 from fp8guard.agent.transport.ratelimit import RateLimiter, suppressed_note
 from fp8guard.agent.transport.responses import describe_exception, error_detail, retry_after_s
 
@@ -50,6 +50,8 @@ class Answer:
     """Delivered, and the service had stored this ``batch_id`` already."""
     commands: list[dict[str, Any]] = field(default_factory=list)
     """Remediation commands that rode on the ingest answer."""
+    retries: int = 0
+    """Requests repeated on the way (a re-registration after 404 included)."""
 
 
 class _Retryable(Exception):
@@ -80,22 +82,18 @@ class Courier:
     """
 
     def __init__(self, *, url: str, run: RunInfo | None, client: httpx.Client, prefix: str, token: str | None,
-                 stats: TransportStats, stats_lock: threading.RLock, backoff_base_s: float,
-                 backoff_max_s: float, sleep: Callable[[float], None], rng: random.Random,
-                 limiter: RateLimiter, on_commands: Callable[[list[dict[str, Any]]], None] | None) -> None:
+                 backoff_base_s: float, backoff_max_s: float, sleep: Callable[[float], None],
+                 rng: random.Random, limiter: RateLimiter) -> None:
         self._url = url
         self._run = run
         self._client = client
         self._prefix = prefix
         self._headers = auth_headers(token)
-        self._stats = stats
-        self._stats_lock = stats_lock
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
         self._sleep = sleep
         self._rng = rng
         self._limiter = limiter
-        self._on_commands = on_commands
         self._registered = run is None  # without a RunInfo, batches go to a run registered earlier
         self._auth_reported: set[int] = set()
         self.last_failure = ""
@@ -110,6 +108,7 @@ class Courier:
         if gzipped:
             headers["content-encoding"] = "gzip"
         attempt = 1
+        retries = 0
         may_reregister = True
         status: int | None = None
         while True:
@@ -123,17 +122,17 @@ class Courier:
                 reason, retry_after = exc.reason, exc.retry_after
                 if exc.auth:
                     self.last_failure, self.auth_refused = reason, True
-                    return Answer(Outcome.FAILED, reason, exc.status)
+                    return Answer(Outcome.FAILED, reason, exc.status, retries=retries)
             except Exception as exc:  # httpx errors, and anything a custom client throws
                 reason = describe_exception(exc)
             else:
                 status = response.status_code
                 if 200 <= status < 300:
-                    return self._accepted(response, len(body))
+                    return self._accepted(response, retries)
                 if status in AUTH_STATUSES:
                     self._auth_refused(status, response, "sending telemetry", spool_note)
                     self.last_failure, self.auth_refused = f"HTTP {status} (token refused)", True
-                    return Answer(Outcome.FAILED, self.last_failure, status)
+                    return Answer(Outcome.FAILED, self.last_failure, status, retries=retries)
                 if status == 404:
                     # The run is unknown (say the service came back on a fresh database): register
                     # again and retry at once; once per call this costs no attempt, so even a
@@ -141,13 +140,12 @@ class Courier:
                     self._registered = self._run is None
                     if may_reregister and self._run is not None:
                         may_reregister = False
-                        self._count_retry()
+                        retries += 1
                         continue
                     reason = "HTTP 404 (run not registered)"
                 elif 400 <= status < 500 and status not in (408, 429):
-                    with self._stats_lock:
-                        self._stats.rejected_batches += 1
-                    return Answer(Outcome.REJECTED, f"HTTP {status}: {error_detail(response)}", status)
+                    return Answer(Outcome.REJECTED, f"HTTP {status}: {error_detail(response)}", status,
+                                  retries=retries)
                 else:
                     retry_after = retry_after_s(response)
                     reason = f"HTTP {status}"
@@ -159,11 +157,11 @@ class Courier:
                 break
             log.debug("batch %s: attempt %d/%d failed (%s); retrying in %.2f s", batch_id, attempt,
                       attempts, reason, delay)
-            self._count_retry()
+            retries += 1
             if delay > 0:
                 self._sleep(delay)
             attempt += 1
-        return Answer(Outcome.FAILED, self.last_failure, status)
+        return Answer(Outcome.FAILED, self.last_failure, status, retries=retries)
 
     def _register(self, spool_note: str) -> None:
         assert self._run is not None  # _registered starts True without a RunInfo
@@ -203,34 +201,19 @@ class Courier:
                   "once the service accepts the token", self._url, doing, status, error_detail(response)[:200],
                   why, spool_note)
 
-    def _count_retry(self) -> None:
-        with self._stats_lock:
-            self._stats.retries += 1
-
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
             return min(retry_after, self._backoff_max_s)
         # Full jitter: ranks that failed together do not retry together.
         return self._rng.uniform(0.0, min(self._backoff_max_s, self._backoff_base_s * 2.0 ** (attempt - 1)))
 
-    def _accepted(self, response: httpx.Response, n_bytes: int) -> Answer:
+    def _accepted(self, response: httpx.Response, retries: int) -> Answer:
         self._auth_reported.clear()
-        with self._stats_lock:
-            self._stats.sent_batches += 1
-            self._stats.bytes_sent += n_bytes
         try:
             body = response.json()
             duplicate = body.get("duplicate") is True
             commands = body.get("commands") or []
         except Exception:  # the status is authoritative; the body is informative
             duplicate, commands = False, []
-        if duplicate:
-            with self._stats_lock:
-                self._stats.duplicate_batches += 1
-        if commands and self._on_commands is not None:
-            try:  # remediation commands ride on ingest answers; hand them to the monitor
-                self._on_commands(list(commands))
-            except Exception:
-                log.exception("fp8guard: handling commands from the service failed")
         return Answer(Outcome.DELIVERED, status=response.status_code, duplicate=duplicate,
-                      commands=list(commands) if isinstance(commands, list) else [])
+                      commands=list(commands) if isinstance(commands, list) else [], retries=retries)

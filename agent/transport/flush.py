@@ -18,7 +18,6 @@ import json
 import os
 import random
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from fp8guard.agent.transport.base import RunInfo, TransportStats
+from fp8guard.agent.transport.base import RunInfo
 from fp8guard.agent.transport.delivery import Courier, Outcome
 from fp8guard.agent.transport.private_dir import user_cache_root
 from fp8guard.agent.transport.ratelimit import WARN_INTERVAL_S, RateLimiter
@@ -96,9 +95,8 @@ def flush_spool(spool: SpoolContents, *, url: str, token: str | None = None, att
     report = FlushReport(spool)
     with _client(url, timeout_s, client) as http:
         courier = Courier(url=url, run=spool.run, client=http, prefix="" if str(http.base_url) else url,
-                          token=token, stats=TransportStats(), stats_lock=threading.RLock(), backoff_base_s=0.2,
-                          backoff_max_s=5.0, sleep=sleep, rng=random.Random(),
-                          limiter=RateLimiter(WARN_INTERVAL_S, time.monotonic), on_commands=None)
+                          token=token, backoff_base_s=0.2, backoff_max_s=5.0, sleep=sleep, rng=random.Random(),
+                          limiter=RateLimiter(WARN_INTERVAL_S, time.monotonic))
         for path in spool.files:
             try:
                 body = path.read_bytes()

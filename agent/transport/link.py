@@ -91,9 +91,9 @@ class Link:
             url=self._url, run=run, client=self._client,
             # A client without base_url cannot resolve "/v1/ingest"; address the service absolutely then.
             prefix="" if str(self._client.base_url) else self._url, token=token,
-            stats=self._stats, stats_lock=self._state, backoff_base_s=settings.backoff_base_s,
-            backoff_max_s=settings.backoff_max_s, sleep=sleep, rng=rng, limiter=self._limiter,
-            on_commands=on_commands)
+            backoff_base_s=settings.backoff_base_s, backoff_max_s=settings.backoff_max_s, sleep=sleep, rng=rng,
+            limiter=self._limiter)
+        self._on_commands = on_commands
         self._breaker = Breaker(url=self._url, probe_s=settings.backoff_max_s, clock=clock, limiter=self._limiter)
         self._site = SpoolSite(run, settings.spool_dir, settings.spool_max_bytes)
         self._closed = False
@@ -281,8 +281,21 @@ class Link:
                  deadline: float | None = None) -> Outcome:
         answer = self._courier.deliver(body, gzipped=gzipped, batch_id=label, attempts=attempts, deadline=deadline,
                                        clock=self._clock, spool_note=self._spool_note())
+        with self._state:
+            self._stats.retries += answer.retries
+            if answer.outcome is Outcome.DELIVERED:
+                self._stats.sent_batches += 1
+                self._stats.bytes_sent += len(body)
+                self._stats.duplicate_batches += answer.duplicate
+            elif answer.outcome is Outcome.REJECTED:
+                self._stats.rejected_batches += 1
         if answer.outcome is Outcome.REJECTED:
             self._log_refusal(label, answer)
+        if answer.commands and self._on_commands is not None:
+            try:  # remediation commands ride on ingest answers; hand them to the monitor
+                self._on_commands(answer.commands)
+            except Exception:
+                log.exception("fp8guard: handling commands from the service failed")
         return answer.outcome
 
     def _deliver_item(self, item: _Pending, *, attempts: int, deadline: float | None) -> Outcome:
