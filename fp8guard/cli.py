@@ -322,6 +322,7 @@ def spool_flush(
     from pathlib import Path
 
     from fp8guard.agent.transport.flush import default_spool_roots, find_spools, flush_spool
+    from fp8guard.agent.transport.private_dir import user_cache_root
 
     if not url.startswith(("http://", "https://")):
         raise _fail(f"--url must start with http:// or https://, not {url!r}")
@@ -332,7 +333,7 @@ def spool_flush(
     roots = [Path(spool_dir)] if spool_dir is not None else default_spool_roots()
     spools = [s for root in roots for s in find_spools(root)]
     if not spools:
-        typer.echo(f"nothing spooled in {', '.join(map(str, roots)) or 'the default spool folder'}")
+        typer.echo(f"nothing spooled in {', '.join(map(str, roots or [user_cache_root() / 'spool']))}")
         return
     if dry_run:
         for s in spools:

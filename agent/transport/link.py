@@ -158,8 +158,8 @@ class Link:
                     self._closed = True
                     self._spill_outbox()
                 log.warning("fp8guard: the service at %s did not answer within %.0f s; %d batches stay spooled "
-                            "in %s for the next transport on this spool_dir", self._url, self._s.drain_s,
-                            self._site.count(), self.spool_dir)
+                            "in %s for the next transport on this spool_dir (or fp8guard spool flush)", self._url,
+                            self._s.drain_s, self._site.count(), self.spool_dir)
                 return
         with self._lock:
             try:
@@ -174,8 +174,8 @@ class Link:
                 if state == "idle" and self._ledger.has_drops():
                     self._send_report(attempts=1)  # no later batch will carry it
                 if self._site.count():
-                    log.warning("fp8guard: %d batches remain spooled in %s; they are sent by the next "
-                                "transport on this spool_dir", self._site.count(), self.spool_dir)
+                    log.warning("fp8guard: %d batches remain spooled in %s; they are sent by the next transport "
+                                "on this spool_dir, or by fp8guard spool flush", self._site.count(), self.spool_dir)
             except Exception:
                 log.exception("fp8guard transport: error while closing")
             finally:
