@@ -1,10 +1,11 @@
 """``Monitor``: the one object a training loop talks to.
 
-    monitor = Monitor(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8")).attach(model, optimizer)
-    for batch in data:
-        loss = model(batch); loss.backward(); optimizer.step()
-        monitor.step(loss)            # no host sync; call before zero_grad if grad norm is computed here
-        optimizer.zero_grad()
+    monitor = Monitor(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8")).attach(
+        model, optimizer, scheduler=scheduler, heal=HealConfig("ckpt/"))   # heal=: optional
+    for batch in monitor.batches(data):   # saves checkpoints; a rollback moves the data back
+        loss = model(batch); loss.backward()
+        monitor.step(loss)            # no host sync; before optimizer.step and zero_grad
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
     monitor.close()
 
 Per step the monitor only enqueues device work into preallocated buffers; every
@@ -18,22 +19,25 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fp8guard import wire
+from fp8guard.agent.checkpoint import Stateful
 from fp8guard.agent.command_listener import CommandListener
-from fp8guard.agent.commands import AckStatus, Command, Outcome, Remediator, parse_command
+from fp8guard.agent.commands import AckStatus, Command, CommandHandler, Outcome, parse_command
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.harm import HarmProbe, LossFn
+from fp8guard.agent.healing import HealConfig, Healer, plain_batches
 from fp8guard.agent.shipper import Shipper
 from fp8guard.agent.sources import discover_sources
 from fp8guard.agent.sources.base import COUNT_STATS, STATS, ProbeableSource, Source, TensorSpec
@@ -54,9 +58,17 @@ __all__ = ["Monitor", "device_grad_norm"]
 
 log = logging.getLogger("fp8guard.agent")
 
+T = TypeVar("T")
+
+_STALE_CHECK_STEPS = 10
+"""After this many ``step`` calls, ask each source once whether its FP8 state ever changed
+(``stale_reason``, host only) and warn loudly if not: silent zeros are worse than no data."""
+
 _TENSOR_TABLE_EVERY = 20
 """Re-send the tensor table every this many batches, so a service that lost its database
 relearns it instead of refusing the run's statistics forever."""
+_MAX_UNANSWERED_WAITS = 3
+"""Tripwire waits in a row without a decision after which a persisting trip only ships."""
 
 
 class Monitor:
@@ -90,6 +102,10 @@ class Monitor:
         self._urgent_until: int | None = None
         """After the tripwire fired: check commands at every step boundary up to this step."""
         self._urgent_waited = False
+        self._unanswered_waits = 0
+        """Waits for a decision in a row that no command answered: a trip that persists (a level
+        shift the service does not call an incident) stops costing ``tripwire_wait_s`` per step
+        after ``_MAX_UNANSWERED_WAITS`` of them."""
         self._tick = 0
         """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
         (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
@@ -98,7 +114,11 @@ class Monitor:
         self.tripwire_broadcasts = 0
         """Extra command broadcasts entered after the tripwire fired (none in a healthy run)."""
         self._applied_ids: set[int] = set()
-        self.remediator: Remediator | None = None
+        self._step_calls = 0
+        self._end_failed: set[str] = set()
+        self.handler: CommandHandler | None = None
+        """Applies the service's commands (``attach(handler=...)``, or the Healer of ``heal=``)."""
+        self._healer: Healer | None = None
         self.rank, self.world_size = 0, 1
         self.run_id = ""
         self.segment = self.config.segment
@@ -107,13 +127,30 @@ class Monitor:
     # -- setup ------------------------------------------------------------------------------
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-               remediator: Remediator | None = None) -> Monitor:
+               scheduler: Stateful | None = None, heal: HealConfig | None = None,
+               handler: CommandHandler | None = None) -> Monitor:
         """Find the FP8 modules of ``model`` and start the background shipper. Returns self.
 
-        ``remediator`` applies the service's commands (fallback, promotion, rollback); without
-        one, commands are acknowledged as ignored."""
+        ``heal=HealConfig("ckpt/")`` lets the service heal the run: checkpoints in that folder
+        (model, ``optimizer``, ``scheduler`` (only used with ``heal``), RNG, data position), BF16 fallback and promotion,
+        rollback with batch skipping and a lowered learning rate; iterate the data with
+        ``for batch in monitor.batches(data):`` (:mod:`fp8guard.agent.healing`). ``handler``
+        instead applies the commands your own way (a :class:`~fp8guard.agent.commands.CommandHandler`,
+        e.g. a :class:`~fp8guard.agent.remediation.Remediator`). With neither, commands are
+        acknowledged as ignored."""
         if self._attached:
             raise ConfigError("this Monitor is already attached; make one Monitor per model")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"attach() needs the torch.nn.Module to monitor, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if heal is not None and handler is not None:
+            raise ConfigError("pass heal= (fp8guard's checkpoints and rollback) or handler= (your own), not both")
+        if heal is not None and not isinstance(heal, HealConfig):
+            raise ConfigError(f"heal must be a HealConfig, got {type(heal).__name__}")
+        if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
+                                          and callable(getattr(scheduler, "load_state_dict", None))):
+            raise ConfigError("scheduler must have state_dict() and load_state_dict() (an LR scheduler), or be None")
         cfg = self.config
         self.rank, self.world_size = rank_and_world()
         self.run_id = shared_run_id(cfg.run_id)
@@ -125,7 +162,11 @@ class Monitor:
             n = len(src.tensors())
             self._slices.append(slice(start, start + n))
             start += n
-        self.remediator = remediator
+        self.handler = handler
+        if heal is not None:
+            self._healer = Healer(heal, monitor=self, model=model, optimizer=optimizer, scheduler=scheduler,
+                                  sources=self._sources)
+            self.handler = self._healer
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grad_norm = GradNorm(self._params)
         self._optimizer = optimizer
@@ -143,7 +184,10 @@ class Monitor:
             self._tripwire = Tripwire(device, loss_factor=cfg.tripwire_loss_factor,
                                       grad_factor=cfg.tripwire_grad_factor, saturation=cfg.tripwire_saturation,
                                       warmup_steps=cfg.tripwire_warmup_steps, lag_steps=cfg.tripwire_lag_steps,
-                                      all_reduce=cfg.tripwire_all_reduce and self.world_size > 1)
+                                      all_reduce=cfg.tripwire_all_reduce and self.world_size > 1,
+                                      early_loss_rise=cfg.tripwire_early_loss_rise,
+                                      early_grad_factor=cfg.tripwire_early_grad_factor,
+                                      early_steps=cfg.tripwire_early_steps)
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
@@ -212,6 +256,7 @@ class Monitor:
         if not self._attached:
             raise ConfigError("call Monitor.attach(model, optimizer) before Monitor.step()")
         current = self._next_step if step is None else step
+        self._end_fp8_step()
         if self._closed:
             return
         if self._broken or not self.reporting:
@@ -225,13 +270,33 @@ class Monitor:
                 log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
                 self._next_step = current + 1
                 self._stop_counting()
-        on_step = getattr(self.remediator, "on_step", None)
-        if on_step is not None:  # e.g. ends a lowered-learning-rate window after a rollback
+        if self.handler is not None:  # the one caller of on_step: e.g. ends a lowered-LR window
             try:
-                on_step(current)
+                self.handler.on_step(current)
             except Exception:
-                log.exception("fp8guard: remediator.on_step failed")
+                log.exception("fp8guard: the command handler's on_step failed")
         self._command_boundary(current, grad_norm)
+
+    def _end_fp8_step(self) -> None:
+        """Close the step in sources whose library needs it (the emulation's scale update when the
+        loop has no ``fp8.update()``): training numerics, so on every rank, reporting or not;
+        once after ``_STALE_CHECK_STEPS`` calls, warn about a source whose state never changed."""
+        for src in self._sources:
+            end = getattr(src, "end_step", None)
+            if end is not None and src.kind not in self._end_failed:
+                try:
+                    end()
+                except Exception:
+                    self._end_failed.add(src.kind)
+                    log.exception("fp8guard: closing the FP8 step in the %s source failed; not tried again", src.kind)
+        self._step_calls += 1
+        if self._step_calls == _STALE_CHECK_STEPS:
+            for src in self._sources:
+                reason = getattr(src, "stale_reason", None)
+                message = reason() if reason is not None else None
+                if message:
+                    log.warning("%s", message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # -- the tripwire ---------------------------------------------------------------------------
 
@@ -350,12 +415,14 @@ class Monitor:
 
     def _urgent_check(self, current: int) -> None:
         assert self._urgent_until is not None
-        if not self._inbox and not self._urgent_waited and self.config.tripwire_wait_s > 0:
+        if (not self._inbox and not self._urgent_waited and self.config.tripwire_wait_s > 0
+                and self._unanswered_waits < _MAX_UNANSWERED_WAITS):
             # Only after the tripwire fired, once: the decision is usually tens of ms away.
             self._urgent_waited = True
             deadline = time.monotonic() + self.config.tripwire_wait_s
             while not self._inbox and time.monotonic() < deadline:
                 time.sleep(0.002)
+            self._unanswered_waits = 0 if self._inbox else self._unanswered_waits + 1
         applied = len(self._applied_ids)
         self._check_commands(current)
         if len(self._applied_ids) > applied or current >= self._urgent_until:
@@ -450,11 +517,12 @@ class Monitor:
         if command.id in self._applied_ids:
             return  # delivered again (a retried ingest answer, a restarted service): apply once
         self._applied_ids.add(command.id)
-        if self.remediator is None:
-            outcome = Outcome(AckStatus.IGNORED, error="no remediator attached (Monitor.attach(..., remediator=...))")
+        if self.handler is None:
+            outcome = Outcome(AckStatus.IGNORED, error="no command handler: Monitor.attach(..., heal=HealConfig(...)) "
+                                                       "or handler=")
         else:
             try:
-                outcome = self.remediator.apply(command, step=step)
+                outcome = self.handler.apply(command, step=step)
             except Exception as exc:  # a failed remediation is reported, never raised into training
                 log.exception("fp8guard: applying command %s (%s) failed", command.id, command.kind)
                 outcome = Outcome(AckStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
@@ -574,6 +642,33 @@ class Monitor:
         self.close(failed=exc is not None)
 
     # -- introspection ---------------------------------------------------------------------------
+
+    def batches(self, data: Iterable[T], *, epochs: int | None = 1, steps: int | None = None) -> Iterator[T]:
+        """Iterate ``data`` (``epochs`` times; None: forever) as the training loop's batches,
+        until ``next_step`` reaches ``steps`` if given (a step budget that rollbacks extend).
+
+        With ``attach(heal=...)`` this is where healing meets the loop: a due checkpoint is
+        saved when the loop asks for the batch after a completed step, and a rollback restores
+        the checkpoint, moves the data back to its position and skips the batches the service
+        says (:mod:`fp8guard.agent.healing`). Without ``heal`` it just iterates."""
+        if self._healer is not None:
+            return self._healer.batches(data, epochs=epochs, steps=steps)
+        return plain_batches(data, epochs=epochs, steps=steps, monitor=self)
+
+    @property
+    def healer(self) -> Healer | None:
+        """The Healer of ``attach(heal=...)`` (its ``checkpoints`` and ``remediator``), else None."""
+        return self._healer
+
+    def resume_from(self, state: dict[str, Any], *, checkpoint_step: int) -> None:
+        """Continue after a restart from a checkpoint that carried :meth:`state_dict`: the step
+        counter and applied commands come back, and a new segment starts (the steps the stopped
+        process ran after the checkpoint are an abandoned stretch, as after a rollback)."""
+        self.load_state_dict(state)
+        self.segment += 1
+        self._arm_counts_for(self._next_step)
+        self.event(wire.EventKind.RUN_RESUMED, step=checkpoint_step,
+                   data={"checkpoint_step": checkpoint_step, "resume_step": self._next_step, "segment": self.segment})
 
     @property
     def next_step(self) -> int:

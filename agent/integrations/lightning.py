@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from fp8guard import wire
-from fp8guard.agent.commands import Remediator
+from fp8guard.agent.commands import CommandHandler
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.harm import LossFn
@@ -93,7 +93,7 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: Remediator | None = None, token: str | None = None,
+                 remediator: CommandHandler | None = None, token: str | None = None,
                  harm_probe: bool | HarmLoss = True) -> None:
         super().__init__()
         self.harm_probe = harm_probe
@@ -125,7 +125,7 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         if restored is not None:
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        monitor.attach(pl_module, optimizer, remediator=self._remediator)
+        monitor.attach(pl_module, optimizer, handler=self._remediator)
         align_rank(monitor, int(trainer.global_rank), int(trainer.world_size), "Lightning")
         self.monitor, self._live = monitor, True
         self._optimizer = optimizer
