@@ -117,9 +117,14 @@ class Env:
 
     def monitor(self, m: TEModel) -> Any:
         from fp8guard.agent import Monitor, MonitorConfig, NullTransport
+        from fp8guard.agent.telemetry import GradNorm
 
-        return Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
-                       transport=NullTransport()).attach(m.model, m.opt)
+        monitor = Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
+                          transport=NullTransport()).attach(m.model, m.opt)
+        # "monitor" measures the foreach norm and "monitor_table" the table norm, side by side
+        # (the monitor's own default on CUDA with Triton is the table)
+        monitor._grad_norm = GradNorm(m.model.parameters(), backend="foreach")
+        return monitor
 
     def free(self) -> None:
         gc.collect()

@@ -83,9 +83,18 @@ def test_distributed_ranks_ignore_their_own_loss() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reading_never_waits_on_the_gpu() -> None:
+    def check(w: Tripwire) -> None:
+        w.check(0, loss=torch.tensor(float("nan"), device="cuda"), grad_norm=None, saturation=None)
+
+    check(Tripwire(torch.device("cuda"), loss_factor=1.3, grad_factor=5.0, saturation=8.0, warmup_steps=0))
+    torch.cuda.synchronize()  # the check's kernels are loaded: what follows times the check alone
     w = Tripwire(torch.device("cuda"), loss_factor=1.3, grad_factor=5.0, saturation=8.0, warmup_steps=0)
-    torch.cuda._sleep(50_000_000)  # keep the stream busy
-    w.check(0, loss=torch.tensor(float("nan"), device="cuda"), grad_norm=None, saturation=None)
+    torch.cuda._sleep(200_000_000)  # keep the stream busy
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check(w)  # enqueues, never synchronises
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     assert w.fired() is None  # not complete yet: no wait
     torch.cuda.synchronize()
     assert w.fired() == 0
