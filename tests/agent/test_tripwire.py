@@ -82,9 +82,12 @@ def test_distributed_ranks_ignore_their_own_loss() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 def test_reading_never_waits_on_the_gpu() -> None:
+    nan = torch.tensor(float("nan"), device="cuda")  # (a host-to-device copy: made before the check)
+
     def check(w: Tripwire) -> None:
-        w.check(0, loss=torch.tensor(float("nan"), device="cuda"), grad_norm=None, saturation=None)
+        w.check(0, loss=nan, grad_norm=None, saturation=None)
 
     check(Tripwire(torch.device("cuda"), loss_factor=1.3, grad_factor=5.0, saturation=8.0, warmup_steps=0))
     torch.cuda.synchronize()  # the check's kernels are loaded: what follows times the check alone
@@ -105,11 +108,13 @@ def test_the_due_read_waits_for_its_own_check_only() -> None:
     """On a GPU: peek returns at once while the device is busy; due waits for the check of
     ``lag`` boundaries ago and not for the work queued after it."""
     w = Tripwire(torch.device("cuda"), loss_factor=1.3, grad_factor=5.0, saturation=8.0, warmup_steps=0, lag_steps=1)
+    # inputs made up front: a tensor from a Python number is a host-to-device copy, which waits
+    nan, one = torch.tensor(float("nan"), device="cuda"), torch.tensor(1.0, device="cuda")
     torch.cuda.synchronize()
-    w.check(0, tick=0, loss=None, grad_norm=torch.tensor(float("nan"), device="cuda"), saturation=None)
+    w.check(0, tick=0, loss=None, grad_norm=nan, saturation=None)
     torch.cuda._sleep(200_000_000)  # the next step's work, queued behind the check
     assert w.peek() == 0 or w.peek() is None  # never waits
-    w.check(1, tick=1, loss=None, grad_norm=torch.tensor(1.0, device="cuda"), saturation=None)
+    w.check(1, tick=1, loss=None, grad_norm=one, saturation=None)
     v = w.due(1)
     assert v is not None and v.shared and v.step == 0
     later = w._events[1]
