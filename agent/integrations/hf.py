@@ -78,6 +78,7 @@ from fp8guard.agent.integrations._common import (
     config_with_token,
     loss_in,
     read_state,
+    set_instance_attr,
     write_state,
 )
 from fp8guard.agent.monitor import Monitor, device_grad_norm
@@ -216,7 +217,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 self._on_compute_loss(trainer, compute_loss, model, snapshot, args, kwargs, out)
             return out
 
-        self._undo.append(_set_instance_attr(trainer, "compute_loss", capture_loss))
+        self._undo.append(set_instance_attr(trainer, "compute_loss", capture_loss))
         accelerator = getattr(trainer, "accelerator", None)
         clip = getattr(accelerator, "clip_grad_norm_", None)
         if clip is None:
@@ -228,7 +229,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 self._norm = norm  # the total norm before clipping, as the Trainer logs it
             return norm
 
-        self._undo.append(_set_instance_attr(accelerator, "clip_grad_norm_", capture_norm))
+        self._undo.append(set_instance_attr(accelerator, "clip_grad_norm_", capture_norm))
 
     def _on_compute_loss(self, trainer: Any, compute_loss: Callable[..., Any], model: Any, inputs: Any,
                          args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -377,21 +378,3 @@ def _calling_trainer(callback: FP8GuardTrainerCallback) -> Any:
         return None
     finally:
         del frame
-
-
-def _set_instance_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
-    """Set ``obj.name`` on the instance (shadowing the class's method); returns the undo, which
-    puts back exactly what the instance had (an attribute of its own, or none)."""
-    own = obj.__dict__.get(name, _MISSING)
-    setattr(obj, name, value)
-
-    def undo() -> None:
-        if own is _MISSING:
-            obj.__dict__.pop(name, None)
-        else:
-            setattr(obj, name, own)
-
-    return undo
-
-
-_MISSING = object()

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,7 @@ from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.harm import LossFn
 from fp8guard.agent.integrations._common import align_rank, config_with_token, loss_in
+from fp8guard.agent.integrations._lightning_heal import LightningHealer
 from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
@@ -94,9 +96,11 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
                  remediator: Remediator | None = None, token: str | None = None,
-                 harm_probe: bool | HarmLoss = True) -> None:
+                 harm_probe: bool | HarmLoss = True, heal: bool = False) -> None:
         super().__init__()
         self.harm_probe = harm_probe
+        self.heal = heal
+        self.healer: LightningHealer | None = None
         self.config = config_with_token(config, token)
         self.monitor: Monitor | None = None
         self._live = False  # attached and not yet closed
@@ -125,7 +129,17 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         if restored is not None:
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        monitor.attach(pl_module, optimizer, remediator=self._remediator)
+        healer = None
+        if self.heal and self._remediator is None:
+            healer = LightningHealer(trainer, pl_module, sources=())
+            if restored is not None and trainer.ckpt_path and self._resumed_from is not None:
+                position = restored.get("data_position")
+                healer.drawn = int(position) if isinstance(position, int) else 0
+                healer.remember(self._resumed_from, os.fspath(trainer.ckpt_path))
+        monitor.attach(pl_module, optimizer, remediator=healer or self._remediator)
+        if healer is not None:
+            healer.switches.sources = monitor.sources
+        self.healer = healer
         align_rank(monitor, int(trainer.global_rank), int(trainer.world_size), "Lightning")
         self.monitor, self._live = monitor, True
         self._optimizer = optimizer
@@ -146,6 +160,8 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
             self._close(failed=False)
 
     def _close(self, *, failed: bool) -> None:
+        if self.healer is not None:
+            self.healer.undo()
         if self._live and self.monitor is not None:
             self._live = False
             self.monitor.close(failed=failed)
@@ -157,6 +173,8 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._live:
             self._batch = (batch, batch_idx)  # a reference: the probe's batch, dropped after the step
+            if self.healer is not None:
+                self.healer.drew()
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if not self._live or not pl_module.automatic_optimization:
@@ -193,6 +211,11 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         self._loss, self._batches, self._batch = None, 0, None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._record_manual(pl_module, outputs)
+        if self.healer is not None:
+            self.healer.settle()  # a rollback applied in this batch: back to the checkpoint's step
+
+    def _record_manual(self, pl_module: Any, outputs: Any) -> None:
         monitor = self.monitor
         if not self._live or monitor is None or pl_module.automatic_optimization:
             return  # automatic optimization recorded the step in on_before_optimizer_step
@@ -242,9 +265,13 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Lightning stores this in every checkpoint: the run id, next step and segment."""
+        """Lightning stores this in every checkpoint: the run id, next step and segment (and the
+        data position, for a rollback to skip batches from)."""
         if self.monitor is not None:
-            return self.monitor.state_dict()
+            state = self.monitor.state_dict()
+            if self.healer is not None:
+                state["data_position"] = self.healer.drawn
+            return state
         return dict(self._restored) if self._restored is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

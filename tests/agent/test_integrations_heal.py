@@ -1,0 +1,168 @@
+"""Each framework integration heals an injected incident through the framework's own checkpoints
+(#13 item 1), end to end on the CPU: a tiny GPT in emulated FP8, the real service under uvicorn
+in a thread (SQLite), the integration given only ``heal=True`` and the service URL.
+
+The incident: three poisoned batches multiply the loss by 30 (a loss and gradient spike). The
+service finds it and orders a rollback to a known-good checkpoint, skipping the bad window's
+batches and halving the learning rate for a few steps; the integration restores the framework's
+checkpoint in place and acknowledges. What each test checks: the action is applied; training
+after it starts from the checkpoint's weights, at its step, on the batch the command's skip
+leads to (never a poisoned one again), with the learning rate halved for the window and then
+restored; the abandoned checkpoints are gone; the run ends at ``max_steps``. A fallback command
+(as the service sends it) switches the named module to BF16 and its ack reaches the service."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fp8guard.agent import MonitorConfig, emulate_fp8  # noqa: E402
+from fp8guard.nanogpt import GPT, GPTConfig  # noqa: E402
+
+TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
+LR = 3e-3
+POISONED = range(20, 23)
+STEPS = 36
+EVERY = 5
+GUARD = {"warmup_steps": 8, "rollback_margin_steps": 2, "known_good_after_steps": 2, "skip_batches": 2,
+         "rollback_lr_scale": 0.5, "rollback_lr_steps": 4}
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Any]:
+    import httpx
+
+    from fp8guard.service import Settings, create_app
+    from fp8guard.service.store import make_engine, upgrade
+    from tests.helpers import app_in_thread
+
+    url = f"sqlite:///{tmp_path / 'fp8guard.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    with app_in_thread(create_app(Settings(database_url=url, auth="off"))) as base, \
+            httpx.Client(base_url=base, timeout=30) as api:
+        yield api
+
+
+def _config(api: Any, run_id: str, tmp_path: Path) -> MonitorConfig:
+    assert api.put(f"/v1/runs/{run_id}", json={"guard": GUARD}).status_code == 201
+    return MonitorConfig(url=str(api.base_url), run_id=run_id, flush_interval_steps=2, command_check_interval_steps=1,
+                         harm_interval_steps=0, spool_dir=str(tmp_path / "spool"))
+
+
+def _data(n: int = 64) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        x = torch.randint(0, TINY.vocab_size, (2, TINY.block_size + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous(), i))
+    return out
+
+
+class Record:
+    """What the training loop saw at each optimizer step, in order: (step, batch index, lr, weights)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, float, dict[str, torch.Tensor]]] = []
+
+    def add(self, step: int, index: int, lr: float, model: torch.nn.Module) -> None:
+        self.steps.append((step, index, lr, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+
+
+def _check_healed(api: Any, run_id: str, record: Record, checkpoint_weights: Any) -> dict[str, Any]:
+    """The checks every framework shares (module docstring); returns the rollback's ack data."""
+    actions = api.get(f"/v1/runs/{run_id}/actions").json()
+    rollbacks = [a for a in actions if a["kind"] == "rollback"]
+    assert [a["status"] for a in rollbacks] == ["applied"], actions
+    events = api.get(f"/v1/runs/{run_id}/events").json()
+    acks = [e for e in events if e["kind"] == "command_acknowledged" and e["data"]["kind"] == "rollback"]
+    assert len(acks) == 1 and acks[0]["data"]["status"] == "applied"
+    ack = acks[0]["data"]
+    target, applied_at = ack["checkpoint_step"], ack["applied_step"]
+    assert target % EVERY == EVERY - 1 and target < POISONED[0] <= applied_at
+    # where training went on: the checkpoint's step, its weights, the batch the skip leads to
+    i = next(i for i, (step, *_) in enumerate(record.steps) if i > 0 and step <= record.steps[i - 1][0])
+    step, index, _, weights = record.steps[i]
+    assert step == target + 1 == ack["resume_step"]
+    assert index == ack["data_position"] >= target + 1 + ack["skip_batches"]
+    saved = checkpoint_weights(target + 1)
+    assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
+    assert not any(idx in POISONED for _, idx, _, _ in record.steps[i:])
+    lrs = {s: lr for s, _, lr, _ in record.steps[i:]}
+    window = range(step, step + GUARD["rollback_lr_steps"])
+    assert all(lrs[s] == pytest.approx(LR * 0.5) for s in window)
+    assert all(lrs[s] == pytest.approx(LR) for s in lrs if s not in window)
+    assert record.steps[-1][0] == STEPS - 1
+    assert ack["discarded_checkpoints"] == [s for s in range(EVERY - 1, applied_at, EVERY) if s > target]
+    detail = api.get(f"/v1/runs/{run_id}").json()
+    assert detail["status"] == "finished" and detail["last_step"] == STEPS - 1
+    return ack
+
+
+# ---------------------------------------------------------------------------------- Lightning
+
+_PL_WARNINGS = (
+    "ignore:The 'train_dataloader' does not have many workers:UserWarning",
+    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning",
+)
+
+
+def _pl_warnings(f: Any) -> Any:
+    for w in _PL_WARNINGS:
+        f = pytest.mark.filterwarnings(w)(f)
+    return f
+
+
+@_pl_warnings
+def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fp8guard.agent.integrations.lightning import FP8GuardCallback
+
+    record = Record()
+
+    class TinyGPT(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(TINY)
+            self.fp8 = emulate_fp8(self.gpt)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, index = batch
+            if torch.is_grad_enabled():
+                record.add(self.trainer.global_step, int(index), self.optimizers().param_groups[0]["lr"], self.gpt)
+            _, loss = self.gpt(x, y)
+            return loss * 30 if int(index) in POISONED else loss
+
+        def on_after_backward(self) -> None:
+            self.fp8.update()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(_data(), batch_size=None)
+
+    cb = FP8GuardCallback(_config(service, "pl-heal", tmp_path), heal=True)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=EVERY, save_top_k=-1)
+    trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, ckpt])
+    trainer.fit(TinyGPT())
+
+    def weights(global_step: int) -> dict[str, torch.Tensor]:
+        state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={global_step}.ckpt", weights_only=False)["state_dict"]
+        return {k.removeprefix("gpt."): v for k, v in state.items() if k.startswith("gpt.")}
+
+    _check_healed(service, "pl-heal", record, weights)
+    assert trainer.global_step == STEPS
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == sorted(f"epoch=0-step={s}.ckpt" for s in range(EVERY, STEPS + 1, EVERY))
