@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from fp8guard.agent.distributed import rank_and_world
+from fp8guard.agent.errors import CheckpointError, ConfigError
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointManager", "Stateful"]
 
@@ -82,7 +83,8 @@ class CheckpointManager:
     """Saves, prunes, marks and restores this rank's checkpoints in ``directory``.
 
     See the module docstring for what is saved and the data-state contract. Construction
-    errors (folder not writable, ``every_n_steps < 1``, ...) raise ValueError.
+    errors (folder not writable, ``every_n_steps < 1``, ...) raise ConfigError; a checkpoint
+    that is missing, unreadable or does not fit raises CheckpointError.
     """
 
     def __init__(
@@ -99,21 +101,21 @@ class CheckpointManager:
         rank: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be the torch.nn.Module to checkpoint, got {type(model).__name__}")
+            raise ConfigError(f"model must be the torch.nn.Module to checkpoint, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
                                           and callable(getattr(scheduler, "load_state_dict", None))):
-            raise ValueError("scheduler must have state_dict() and load_state_dict() (an LR scheduler), or be None")
+            raise ConfigError("scheduler must have state_dict() and load_state_dict() (an LR scheduler), or be None")
         if (data_state is None) != (load_data_state is None):
-            raise ValueError("pass data_state and load_data_state together (save and restore the data position), "
+            raise ConfigError("pass data_state and load_data_state together (save and restore the data position), "
                              "or neither")
         if not _is_int(every_n_steps) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an int >= 1 (save after every N steps), got {every_n_steps!r}")
+            raise ConfigError(f"every_n_steps must be an int >= 1 (save after every N steps), got {every_n_steps!r}")
         if not _is_int(keep_last) or keep_last < 1:
-            raise ValueError(f"keep_last must be an int >= 1 (checkpoints kept per rank), got {keep_last!r}")
+            raise ConfigError(f"keep_last must be an int >= 1 (checkpoints kept per rank), got {keep_last!r}")
         if rank is not None and (not _is_int(rank) or rank < 0):
-            raise ValueError(f"rank must be an int >= 0 or None (taken from torch.distributed), got {rank!r}")
+            raise ConfigError(f"rank must be an int >= 0 or None (taken from torch.distributed), got {rank!r}")
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -222,11 +224,11 @@ class CheckpointManager:
     def mark_known_good(self, step: int) -> None:
         """Record that the checkpoint of ``step`` is known-good (no trouble followed it).
 
-        The newest known-good checkpoint is never pruned. Raises ValueError if there is no
-        checkpoint of ``step`` on this rank."""
+        The newest known-good checkpoint is never pruned. Raises CheckpointError if there is
+        no checkpoint of ``step`` on this rank."""
         step = _check_step(step)
         if not self.path_for(step).exists():
-            raise ValueError(f"cannot mark step {step} known-good: rank {self.rank} has no checkpoint of it in "
+            raise CheckpointError(f"cannot mark step {step} known-good: rank {self.rank} has no checkpoint of it in "
                              f"{self._dir} (steps: {self.steps()})")
         marks = self._read_index()
         if step not in marks:
@@ -294,35 +296,35 @@ class CheckpointManager:
     def read(self, step: int) -> dict[str, Any]:
         """Read and validate the checkpoint of ``step`` without changing anything.
 
-        Raises ValueError naming the problem (no such checkpoint, another format, a model
-        whose keys or shapes differ). :meth:`restore` applies what this returns."""
+        Raises CheckpointError naming the problem (no such checkpoint, an unreadable file,
+        another format, a model whose keys or shapes differ). :meth:`restore` applies what this returns."""
         step = _check_step(step)
         path = self.path_for(step)
         if not path.exists():
-            raise ValueError(f"rank {self.rank} has no checkpoint of step {step} in {self._dir} "
+            raise CheckpointError(f"rank {self.rank} has no checkpoint of step {step} in {self._dir} "
                              f"(steps: {self.steps()})")
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise ValueError(f"{path} holds objects torch.load(weights_only=True) refuses ({exc}); keep extra= "
+            raise CheckpointError(f"{path} holds objects torch.load(weights_only=True) refuses ({exc}); keep extra= "
                              "and the scheduler's state to tensors and plain containers") from exc
-        except (RuntimeError, EOFError) as exc:
-            raise ValueError(f"{path} is not a readable torch checkpoint: {exc}") from exc
+        except Exception as exc:  # a truncated zip, a vanished or unreadable file, ...: never leaks from torch.load
+            raise CheckpointError(f"{path} is not a readable torch checkpoint: {type(exc).__name__}: {exc}") from exc
         if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not an fp8guard checkpoint (no format {CHECKPOINT_FORMAT!r})")
+            raise CheckpointError(f"{path} is not an fp8guard checkpoint (no format {CHECKPOINT_FORMAT!r})")
         if payload.get("version") != _VERSION:
-            raise ValueError(f"{path} has checkpoint version {payload.get('version')!r}; this fp8guard reads "
+            raise CheckpointError(f"{path} has checkpoint version {payload.get('version')!r}; this fp8guard reads "
                              f"version {_VERSION}")
         if payload.get("rank") != self.rank or payload.get("step") != step:
-            raise ValueError(f"{path} holds rank {payload.get('rank')} step {payload.get('step')}, expected rank "
+            raise CheckpointError(f"{path} holds rank {payload.get('rank')} step {payload.get('step')}, expected rank "
                              f"{self.rank} step {step}: was it renamed?")
         self._check_model(payload["model"], path)
         if self.optimizer is not None and payload.get("optimizer") is None:
-            raise ValueError(f"{path} has no optimizer state but this CheckpointManager has an optimizer")
+            raise CheckpointError(f"{path} has no optimizer state but this CheckpointManager has an optimizer")
         if self.scheduler is not None and payload.get("scheduler") is None:
-            raise ValueError(f"{path} has no scheduler state but this CheckpointManager has a scheduler")
+            raise CheckpointError(f"{path} has no scheduler state but this CheckpointManager has a scheduler")
         if self._load_data_state is not None and payload.get("data") is None:
-            raise ValueError(f"{path} has no data state but this CheckpointManager restores one")
+            raise CheckpointError(f"{path} has no data state but this CheckpointManager restores one")
         return dict(payload)
 
     def _check_model(self, saved: Mapping[str, Any], path: Path) -> None:
@@ -331,14 +333,14 @@ class CheckpointManager:
         missing = sorted(set(own) - set(saved))
         unexpected = sorted(set(saved) - set(own))
         if missing or unexpected:
-            raise ValueError(f"{path} does not fit this model: missing keys {missing[:5]}, unexpected keys "
+            raise CheckpointError(f"{path} does not fit this model: missing keys {missing[:5]}, unexpected keys "
                              f"{unexpected[:5]} ({len(missing)} and {len(unexpected)} in all)")
         bad = [k for k, v in own.items()
                if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)
                and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
         if bad:
             k = bad[0]
-            raise ValueError(f"{path} does not fit this model: {len(bad)} tensors differ in shape, e.g. {k} "
+            raise CheckpointError(f"{path} does not fit this model: {len(bad)} tensors differ in shape, e.g. {k} "
                              f"{tuple(saved[k].shape)} saved vs {tuple(own[k].shape)} now")
 
     def restore(self, payload: Mapping[str, Any]) -> dict[str, Any]:
@@ -349,7 +351,7 @@ class CheckpointManager:
             self.model.load_state_dict(model_state, strict=True)
         except RuntimeError as exc:
             if _TE_PICKLE_ENV in str(exc):
-                raise ValueError(f"Transformer Engine refused the checkpoint's FP8 extra state: set "
+                raise CheckpointError(f"Transformer Engine refused the checkpoint's FP8 extra state: set "
                                  f"{_TE_PICKLE_ENV}=1 in the training job's environment to load checkpoints "
                                  f"this job wrote itself ({exc})") from exc
             raise
@@ -365,7 +367,7 @@ class CheckpointManager:
 
     def load(self, step: int) -> dict[str, Any]:
         """Restore the checkpoint of ``step`` in place (see :meth:`restore`); returns its
-        ``extra`` dict. Raises ValueError if it does not exist or does not fit."""
+        ``extra`` dict. Raises CheckpointError if it does not exist or does not fit."""
         return self.restore(self.read(step))
 
     # -- data position ---------------------------------------------------------------------------
@@ -383,11 +385,11 @@ class CheckpointManager:
 
     def skip_batches(self, n: int) -> int:
         """Advance the data position by ``n`` batches (see the data-state contract); returns
-        the new position. Raises ValueError without data hooks or an int ``"position"``."""
+        the new position. Raises ConfigError without data hooks or an int ``"position"``."""
         if not _is_int(n) or n < 0:
-            raise ValueError(f"batches to skip must be an int >= 0, got {n!r}")
+            raise ConfigError(f"batches to skip must be an int >= 0, got {n!r}")
         if self._data_state is None or self._load_data_state is None:
-            raise ValueError("skipping batches needs CheckpointManager(data_state=..., load_data_state=...)")
+            raise ConfigError("skipping batches needs CheckpointManager(data_state=..., load_data_state=...)")
         state = dict(self._data_state())
         state["position"] = _position(state) + n
         self._load_data_state(state)
@@ -403,14 +405,14 @@ def _is_int(x: object) -> bool:
 
 def _check_step(step: object) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+        raise ConfigError(f"step must be an int >= 0, got {step!r}")
     return step
 
 
 def _position(state: Mapping[str, Any]) -> int:
     pos = state.get("position")
     if isinstance(pos, bool) or not isinstance(pos, int):
-        raise ValueError(f"data_state() must return a dict with an int 'position' (the index of the next batch), "
+        raise ConfigError(f"data_state() must return a dict with an int 'position' (the index of the next batch), "
                          f"got keys {sorted(state)} with position={pos!r}")
     return pos
 
@@ -419,11 +421,11 @@ def _usable_directory(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError as exc:
-        raise ValueError(f"checkpoint directory {path} exists and is not a folder") from exc
+        raise ConfigError(f"checkpoint directory {path} exists and is not a folder") from exc
     except OSError as exc:
-        raise ValueError(f"cannot create checkpoint directory {path}: {exc}; pass a writable folder") from exc
+        raise ConfigError(f"cannot create checkpoint directory {path}: {exc}; pass a writable folder") from exc
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"checkpoint directory {path} is not writable by this process; pass a writable folder")
+        raise ConfigError(f"checkpoint directory {path} is not writable by this process; pass a writable folder")
     return path
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from fp8guard.wire import AckStatus, Command, CommandKind
 
-__all__ = ["AckStatus", "Command", "CommandKind", "Outcome", "Remediator", "parse_command"]
+__all__ = ["AckStatus", "Command", "CommandHandler", "CommandKind", "Outcome", "parse_command"]
 
 
 def parse_command(raw: Mapping[str, Any]) -> Command:
@@ -37,10 +37,16 @@ class Outcome:
         object.__setattr__(self, "status", AckStatus(self.status))
 
 
-class Remediator(Protocol):
-    """Applies commands to the training process (BF16 fallback, re-promotion, rollback)."""
+class CommandHandler(Protocol):
+    """Applies the service's commands to the training process (BF16 fallback, re-promotion,
+    rollback). :class:`fp8guard.agent.remediation.Remediator` is the stock one;
+    ``Monitor.attach(heal=HealConfig(...))`` builds one with checkpoints for a plain loop."""
 
-    def apply(self, command: Command, *, step: int) -> Outcome: ...
+    def apply(self, command: Command, *, step: int) -> Outcome:
+        """Apply ``command`` at ``step``, on every rank at the same step; never raises."""
+        ...
 
     def on_step(self, step: int) -> None:
-        """Called by the monitor at every step (e.g. to end a lowered-learning-rate window)."""
+        """Called by ``Monitor.step`` (its only caller) at every step, before the command boundary
+        (e.g. to end a lowered-learning-rate window); never raises, no device sync."""
+        ...

@@ -19,21 +19,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fp8guard import wire
+from fp8guard.agent.checkpoint import Stateful
 from fp8guard.agent.command_listener import CommandListener
-from fp8guard.agent.commands import AckStatus, Command, Outcome, Remediator, parse_command
+from fp8guard.agent.commands import AckStatus, Command, CommandHandler, Outcome, parse_command
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.harm import HarmProbe, LossFn
+from fp8guard.agent.healing import Batches, HealConfig, Healer
 from fp8guard.agent.kernels import sum_of_squares_into, triton_available
 from fp8guard.agent.shipper import Shipper
 from fp8guard.agent.sources import discover_sources
@@ -45,6 +47,8 @@ from fp8guard.agent.tripwire import Tripwire
 __all__ = ["Monitor", "device_grad_norm"]
 
 log = logging.getLogger("fp8guard.agent")
+
+T = TypeVar("T")
 
 _TENSOR_TABLE_EVERY = 20
 """Re-send the tensor table every this many batches, so a service that lost its database
@@ -90,7 +94,9 @@ class Monitor:
         self.tripwire_broadcasts = 0
         """Extra command broadcasts entered after the tripwire fired (none in a healthy run)."""
         self._applied_ids: set[int] = set()
-        self.remediator: Remediator | None = None
+        self.handler: CommandHandler | None = None
+        """Applies the service's commands (``attach(handler=...)``, or the Healer of ``heal=``)."""
+        self._healer: Healer | None = None
         self.rank, self.world_size = 0, 1
         self.run_id = ""
         self.segment = self.config.segment
@@ -99,13 +105,29 @@ class Monitor:
     # -- setup ------------------------------------------------------------------------------
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-               remediator: Remediator | None = None) -> Monitor:
+               scheduler: Stateful | None = None, heal: HealConfig | None = None,
+               handler: CommandHandler | None = None) -> Monitor:
         """Find the FP8 modules of ``model`` and start the background shipper. Returns self.
 
-        ``remediator`` applies the service's commands (fallback, promotion, rollback); without
-        one, commands are acknowledged as ignored."""
+        ``heal=HealConfig("ckpt/")`` lets the service heal the run: checkpoints in that folder
+        (model, ``optimizer``, ``scheduler``, RNG, data position), BF16 fallback and promotion,
+        rollback with batch skipping and a lowered learning rate; iterate the data with
+        ``for batch in monitor.batches(data):`` (:mod:`fp8guard.agent.healing`). ``handler``
+        instead applies the commands your own way (a :class:`~fp8guard.agent.commands.CommandHandler`,
+        e.g. a :class:`~fp8guard.agent.remediation.Remediator`). With neither, commands are
+        acknowledged as ignored."""
         if self._attached:
             raise ConfigError("this Monitor is already attached; make one Monitor per model")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"attach() needs the torch.nn.Module to monitor, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if heal is not None and handler is not None:
+            raise ConfigError("pass heal= (fp8guard's checkpoints and rollback) or handler= (your own), not both")
+        if heal is not None and not isinstance(heal, HealConfig):
+            raise ConfigError(f"heal must be a HealConfig, got {type(heal).__name__}")
+        if scheduler is not None and heal is None:
+            raise ConfigError("scheduler= is checkpointed by heal=HealConfig(...); pass both, or neither")
         cfg = self.config
         self.rank, self.world_size = rank_and_world()
         self.run_id = shared_run_id(cfg.run_id)
@@ -117,7 +139,11 @@ class Monitor:
             n = len(src.tensors())
             self._slices.append(slice(start, start + n))
             start += n
-        self.remediator = remediator
+        self.handler = handler
+        if heal is not None:
+            self._healer = Healer(heal, monitor=self, model=model, optimizer=optimizer, scheduler=scheduler,
+                                  sources=self._sources)
+            self.handler = self._healer
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -216,12 +242,11 @@ class Monitor:
                 log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
                 self._next_step = current + 1
                 self._stop_counting()
-        on_step = getattr(self.remediator, "on_step", None)
-        if on_step is not None:  # e.g. ends a lowered-learning-rate window after a rollback
+        if self.handler is not None:  # the one caller of on_step: e.g. ends a lowered-LR window
             try:
-                on_step(current)
+                self.handler.on_step(current)
             except Exception:
-                log.exception("fp8guard: remediator.on_step failed")
+                log.exception("fp8guard: the command handler's on_step failed")
         self._command_boundary(current, grad_norm)
 
     # -- the tripwire ---------------------------------------------------------------------------
@@ -441,11 +466,12 @@ class Monitor:
         if command.id in self._applied_ids:
             return  # delivered again (a retried ingest answer, a restarted service): apply once
         self._applied_ids.add(command.id)
-        if self.remediator is None:
-            outcome = Outcome(AckStatus.IGNORED, error="no remediator attached (Monitor.attach(..., remediator=...))")
+        if self.handler is None:
+            outcome = Outcome(AckStatus.IGNORED, error="no command handler: Monitor.attach(..., heal=HealConfig(...)) "
+                                                       "or handler=")
         else:
             try:
-                outcome = self.remediator.apply(command, step=step)
+                outcome = self.handler.apply(command, step=step)
             except Exception as exc:  # a failed remediation is reported, never raised into training
                 log.exception("fp8guard: applying command %s (%s) failed", command.id, command.kind)
                 outcome = Outcome(AckStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
@@ -565,6 +591,32 @@ class Monitor:
         self.close(failed=exc is not None)
 
     # -- introspection ---------------------------------------------------------------------------
+
+    def batches(self, data: Iterable[T], *, epochs: int | None = 1) -> Iterator[T]:
+        """Iterate ``data`` (``epochs`` times; None: forever) as the training loop's batches.
+
+        With ``attach(heal=...)`` this is where healing meets the loop: a due checkpoint is
+        saved when the loop asks for the batch after a completed step, and a rollback restores
+        the checkpoint, moves the data back to its position and skips the batches the service
+        says (:mod:`fp8guard.agent.healing`). Without ``heal`` it just iterates."""
+        if self._healer is not None:
+            return self._healer.batches(data, epochs=epochs)
+        return iter(Batches(data, epochs=epochs))
+
+    @property
+    def healer(self) -> Healer | None:
+        """The Healer of ``attach(heal=...)`` (its ``checkpoints`` and ``remediator``), else None."""
+        return self._healer
+
+    def resume_from(self, state: dict[str, Any], *, checkpoint_step: int) -> None:
+        """Continue after a restart from a checkpoint that carried :meth:`state_dict`: the step
+        counter and applied commands come back, and a new segment starts (the steps the stopped
+        process ran after the checkpoint are an abandoned stretch, as after a rollback)."""
+        self.load_state_dict(state)
+        self.segment += 1
+        self._arm_counts_for(self._next_step)
+        self.event(wire.EventKind.RUN_RESUMED, step=checkpoint_step,
+                   data={"checkpoint_step": checkpoint_step, "resume_step": self._next_step, "segment": self.segment})
 
     @property
     def next_step(self) -> int:

@@ -1,24 +1,23 @@
-"""``Remediator``: applies the service's commands to the training process: BF16 fallback,
-re-promotion to FP8 and checkpoint rollback.
+"""``Remediator``: the stock :class:`~fp8guard.agent.commands.CommandHandler`; applies the
+service's commands to the training process: BF16 fallback, re-promotion to FP8 and checkpoint
+rollback.
+
+A plain loop does not build one: ``Monitor.attach(model, opt, heal=HealConfig("ckpt/"))`` does,
+with its checkpoints, and ``monitor.batches(data)`` applies rollbacks at the batch boundary
+(:mod:`fp8guard.agent.healing`). Build one yourself for a loop that checkpoints its own way:
 
     ckpts = CheckpointManager("ckpt/", model=model, optimizer=opt, scheduler=sched,
                               data_state=lambda: {"position": data.position},
                               load_data_state=lambda s: setattr(data, "position", s["position"]))
-    remediator = Remediator(checkpoints=ckpts)
-    monitor = Monitor(MonitorConfig(url=..., run_id=...)).attach(model, opt, remediator=remediator)
-    step = 0
-    while step < total:
+    monitor = Monitor(MonitorConfig(url=..., run_id=...))
+    monitor.attach(model, opt, handler=Remediator(checkpoints=ckpts))
+    while monitor.next_step < total:      # a rollback moves monitor.next_step back
+        step = monitor.next_step
         x, y = data.next()
-        loss = model(x, y); loss.backward(); fp8.update()
-        remediator.on_step(step)          # ends an LR-scaling window (before optimizer.step)
-        monitor.step(loss, step=step)     # may apply a command, on every rank at the same step
-        resume = remediator.take_resume_step()
-        if resume is not None:            # rolled back: this iteration belongs to the abandoned stretch
-            step = resume
-            continue
+        loss = model(x, y); loss.backward()
+        monitor.step(loss)                # may apply a command, on every rank at the same step
         opt.step(); sched.step(); opt.zero_grad()
         ckpts.maybe_save(step, extra={"monitor": monitor.state_dict()})
-        step += 1
 
 What each command does:
 
@@ -41,13 +40,17 @@ What each command does:
   deletes this rank's checkpoints after the restored step (the abandoned timeline, so a restart
   never resumes from it), and scales the learning rate by ``command.lr_scale`` for
   ``command.lr_scale_steps`` steps. Training continues at ``checkpoint_step + 1``: the Monitor
-  moves its step counter there; the loop reads it from :meth:`Remediator.take_resume_step`.
+  moves its step counter there (``monitor.next_step``, the one place to read it). With
+  ``defer_restore=True`` (what ``heal=`` uses) ``apply`` only reads and validates the
+  checkpoint on every rank; :meth:`Remediator.finish_rollback` restores it at the next batch,
+  so the rest of the iteration (``optimizer.step()``, ``scheduler.step()``) acts on the
+  abandoned state that the restore overwrites.
 
 Learning-rate scaling: with ``lr_schedule_hook`` the hook is called as ``hook(lr_scale,
 lr_scale_steps)`` and owns the change. Otherwise every param group's ``lr`` (and the
 scheduler's ``base_lrs``, so closed-form schedulers such as LambdaLR keep the factor) is
 multiplied by ``lr_scale``, and :meth:`Remediator.on_step` undoes it at step ``resume_step +
-lr_scale_steps``: call ``on_step(step)`` once per step before ``optimizer.step()``. Schedulers
+lr_scale_steps`` (``Monitor.step`` calls it at every step, before ``optimizer.step()``). Schedulers
 that keep the learning rate elsewhere (OneCycleLR's ``max_lr``) need the hook. A checkpoint
 saved while a window is open holds the scaled rate.
 
@@ -74,6 +77,7 @@ from torch import nn
 
 from fp8guard.agent.checkpoint import CheckpointManager
 from fp8guard.agent.commands import AckStatus, Command, Outcome
+from fp8guard.agent.errors import CheckpointError, ConfigError
 from fp8guard.agent.sources import discover_switches
 from fp8guard.agent.sources.base import Source, SwitchableSource
 
@@ -108,6 +112,8 @@ class Remediator:
     look for FP8 modules (default: the CheckpointManager's; a DDP wrapper is looked through);
     names are qualified names in it, as the Monitor reports them. ``sync_ranks=False`` skips
     the cross-rank agreement (only for calling ``apply`` on one rank by hand).
+    ``defer_restore=True``: a rollback is validated in ``apply`` and restored by
+    :meth:`finish_rollback` (see the module docstring).
     """
 
     def __init__(
@@ -119,11 +125,12 @@ class Remediator:
         lr_schedule_hook: Callable[[float, int], None] | None = None,
         model: nn.Module | None = None,
         sync_ranks: bool = True,
+        defer_restore: bool = False,
     ) -> None:
         if checkpoints is not None and not isinstance(checkpoints, CheckpointManager):
-            raise ValueError(f"checkpoints must be a CheckpointManager or None, got {type(checkpoints).__name__}")
+            raise ConfigError(f"checkpoints must be a CheckpointManager or None, got {type(checkpoints).__name__}")
         if lr_schedule_hook is not None and not callable(lr_schedule_hook):
-            raise ValueError("lr_schedule_hook must be a callable (lr_scale, lr_scale_steps) -> None, or None")
+            raise ConfigError("lr_schedule_hook must be a callable (lr_scale, lr_scale_steps) -> None, or None")
         self._sources = list(sources)
         self.checkpoints = checkpoints
         self._optimizer = optimizer
@@ -132,7 +139,9 @@ class Remediator:
         self._sync = sync_ranks
         self._switches: list[_Switch] | None = None
         self._window: _LrWindow | None = None
-        self._resume: int | None = None
+        self._defer = defer_restore
+        self._pending: tuple[Command, dict[str, Any]] | None = None
+        """A validated rollback waiting for :meth:`finish_rollback` (``defer_restore``)."""
 
     @property
     def sources(self) -> list[Source]:
@@ -174,10 +183,26 @@ class Remediator:
         except Exception:
             log.exception("fp8guard: restoring the learning rate after a rollback failed")
 
-    def take_resume_step(self) -> int | None:
-        """The step to continue from after a rollback applied since the last call, else None."""
-        resume, self._resume = self._resume, None
-        return resume
+    @property
+    def rollback_pending(self) -> bool:
+        """A rollback was applied with ``defer_restore`` and waits for :meth:`finish_rollback`."""
+        return self._pending is not None
+
+    def finish_rollback(self) -> None:
+        """Restore the rollback that ``apply`` validated (``defer_restore``), on every rank.
+
+        Raises :class:`~fp8guard.agent.errors.CheckpointError` if restoring failed: the state is
+        then half-restored (and may differ between ranks), so training must not go on."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        command, payload = pending
+        target = command.checkpoint_step
+        assert target is not None  # validated in apply
+        error = self._restore(command, payload, {})
+        if error is not None:
+            raise CheckpointError(error)
+        log.warning("fp8guard: restored the checkpoint of step %d; training continues at step %d", target, target + 1)
 
     @property
     def lr_scaled_until(self) -> int | None:
@@ -295,33 +320,47 @@ class Remediator:
         try:
             payload = ck.read(target)
         except Exception as exc:
-            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
         if errors:
             return Outcome(AckStatus.FAILED, error=f"rollback to step {target} applied on no rank: {_per_rank(errors)}")
         assert payload is not None
-
-        # Phase 2: restore in place.
         details: dict[str, Any] = {"checkpoint_step": target, "resume_step": target + 1, "skip_batches": skip}
+        if self._defer:
+            self._pending = (command, payload)
+            if scaling:
+                details.update({"lr_scale": scale, "lr_scale_steps": scale_steps,
+                                "lr_restore_step": target + 1 + scale_steps})
+            return Outcome(AckStatus.APPLIED, resume_step=target + 1, details={**details, "restore": "next batch"})
+        # Phase 2: restore in place.
+        error = self._restore(command, payload, details)
+        if error is not None:
+            return Outcome(AckStatus.FAILED, error=error)
+        return Outcome(AckStatus.APPLIED, resume_step=target + 1, details=details)
+
+    def _restore(self, command: Command, payload: dict[str, Any], details: dict[str, Any]) -> str | None:
+        """Phase 2 of a rollback, on every rank: restore in place; the error every rank agrees on, or None."""
+        ck = self.checkpoints
+        assert ck is not None and command.checkpoint_step is not None
+        target, skip = command.checkpoint_step, command.skip_batches
+        error: str | None = None
         try:
             self._end_lr_window(restore=False)  # the restored optimizer carries the unscaled rate
             ck.restore(payload)
             self._clear_grads()
             details["data_position"] = ck.skip_batches(skip) if skip else ck.data_position()
             details["discarded_checkpoints"] = ck.discard_after(target)
-            if scaling:
-                details.update(self._start_lr_window(scale, scale_steps, resume=target + 1))
+            if command.lr_scale != 1.0 and command.lr_scale_steps > 0:
+                details.update(self._start_lr_window(command.lr_scale, command.lr_scale_steps, resume=target + 1))
         except Exception as exc:
             log.exception("fp8guard: restoring the checkpoint of step %d failed", target)
             error = f"{type(exc).__name__}: {exc}"
         errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
         if errors:
-            return Outcome(AckStatus.FAILED, error=(
-                f"rollback to step {target} failed while restoring on {_per_rank(errors)}; the other ranks "
-                f"restored, so the ranks no longer hold the same state: stop the job and restart it from "
-                f"the checkpoint of step {target}"))
-        self._resume = target + 1
-        return Outcome(AckStatus.APPLIED, resume_step=target + 1, details=details)
+            return (f"rollback to step {target} failed while restoring on {_per_rank(errors)}; the other ranks "
+                    f"restored, so the ranks no longer hold the same state: stop the job and restart it from "
+                    f"the checkpoint of step {target}")
+        return None
 
     def _clear_grads(self) -> None:
         # Gradients of the abandoned step would otherwise move the restored weights in the

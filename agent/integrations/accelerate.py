@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from fp8guard import wire
-from fp8guard.agent.commands import Remediator
+from fp8guard.agent.commands import CommandHandler
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.integrations._common import (
     STATE_FILE,
@@ -125,7 +125,7 @@ def attach_accelerate(
     *,
     transport: Transport | None = None,
     resume_from: str | os.PathLike[str] | None = None,
-    remediator: Remediator | None = None,
+    remediator: CommandHandler | None = None,
     token: str | None = None,
     harm_probe: bool = True,
 ) -> Monitor:
@@ -141,7 +141,7 @@ def attach_accelerate(
     monitor = _AccelerateMonitor(config, transport=transport, harm_probe=harm_probe)
     if restored is not None:
         monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
-    monitor.attach(accelerator.unwrap_model(model), optimizer, remediator=remediator)
+    monitor.attach(accelerator.unwrap_model(model), optimizer, handler=remediator)
     monitor.watch(model)  # the model the loop calls: its replay goes through the same wrapper
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
     if (monitor.rank, monitor.world_size) != (rank, world):

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from fp8guard import wire
-from fp8guard.agent.commands import Remediator
+from fp8guard.agent.commands import CommandHandler
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.harm import LossFn
@@ -117,7 +117,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: Remediator | None = None, token: str | None = None, harm_probe: bool = True) -> None:
+                 remediator: CommandHandler | None = None, token: str | None = None, harm_probe: bool = True) -> None:
         self.config = config_with_token(config, token)
         self.harm_probe = harm_probe
         self._trainer: Any = None
@@ -166,7 +166,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         monitor = Monitor(dataclasses.replace(config, compute_grad_norm=False), transport=self._transport)
         if restored is not None:
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
-        monitor.attach(model, optimizer, remediator=self._remediator)
+        monitor.attach(model, optimizer, handler=self._remediator)
         align_rank(monitor, int(args.process_index), int(args.world_size), "the Trainer")
         self.monitor, self._live = monitor, True
         self._params = [p for p in model.parameters() if p.requires_grad]

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from fp8guard import wire
-from fp8guard.agent.commands import Remediator
+from fp8guard.agent.commands import CommandHandler
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.harm import LossFn
@@ -95,7 +95,7 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: Remediator | None = None, token: str | None = None,
+                 handler: CommandHandler | None = None, token: str | None = None,
                  harm_probe: bool | HarmLoss = True, heal: bool = False) -> None:
         super().__init__()
         self.harm_probe = harm_probe
@@ -105,7 +105,7 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         self.monitor: Monitor | None = None
         self._live = False  # attached and not yet closed
         self._transport = transport
-        self._remediator = remediator
+        self._handler = handler
         self._restored: dict[str, Any] | None = None
         self._resumed_from: int | None = None
         self._params: list[torch.nn.Parameter] = []
@@ -130,13 +130,13 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         healer = None
-        if self.heal and self._remediator is None:
+        if self.heal and self._handler is None:
             healer = LightningHealer(trainer, pl_module, sources=())
             if restored is not None and trainer.ckpt_path and self._resumed_from is not None:
                 position = restored.get("data_position")
                 healer.drawn = int(position) if isinstance(position, int) else 0
                 healer.remember(self._resumed_from, os.fspath(trainer.ckpt_path))
-        monitor.attach(pl_module, optimizer, remediator=healer or self._remediator)
+        monitor.attach(pl_module, optimizer, handler=healer or self._handler)
         if healer is not None:
             healer.switches.sources = monitor.sources
         self.healer = healer
