@@ -66,20 +66,29 @@ def _data(n: int = 64) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
 
 
 class Record:
-    """What the training loop saw at each optimizer step, in order: (step, batch index, lr, weights)."""
+    """What the training loop saw at each optimizer step, in order: (step, batch index, the lr
+    the optimizer stepped with, the weights the forward saw)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, float, dict[str, torch.Tensor]]] = []
 
-    def add(self, step: int, index: int, lr: float, model: torch.nn.Module) -> None:
-        self.steps.append((step, index, lr, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    def batch(self, step: int, index: int, model: torch.nn.Module) -> None:
+        self.steps.append((step, index, float("nan"), {k: v.detach().clone() for k, v in model.state_dict().items()}))
+
+    def lr(self, lr: float) -> None:
+        """Right before the optimizer steps (after the integration's hook: a rollback's window
+        starts and ends there)."""
+        step, index, _, weights = self.steps[-1]
+        self.steps[-1] = (step, index, lr, weights)
 
 
 def _check_healed(api: Any, run_id: str, record: Record, checkpoint_weights: Any) -> dict[str, Any]:
     """The checks every framework shares (module docstring); returns the rollback's ack data."""
     actions = api.get(f"/v1/runs/{run_id}/actions").json()
     rollbacks = [a for a in actions if a["kind"] == "rollback"]
-    assert [a["status"] for a in rollbacks] == ["applied"], actions
+    findings = api.get(f"/v1/runs/{run_id}/findings").json()
+    events = api.get(f"/v1/runs/{run_id}/events").json()
+    assert [a["status"] for a in rollbacks] == ["applied"], (actions, findings, [(e["kind"], e["step"]) for e in events])
     events = api.get(f"/v1/runs/{run_id}/events").json()
     acks = [e for e in events if e["kind"] == "command_acknowledged" and e["data"]["kind"] == "rollback"]
     assert len(acks) == 1 and acks[0]["data"]["status"] == "applied"
@@ -96,7 +105,7 @@ def _check_healed(api: Any, run_id: str, record: Record, checkpoint_weights: Any
     assert not any(idx in POISONED for _, idx, _, _ in record.steps[i:])
     lrs = {s: lr for s, _, lr, _ in record.steps[i:]}
     window = range(step, step + GUARD["rollback_lr_steps"])
-    assert all(lrs[s] == pytest.approx(LR * 0.5) for s in window)
+    assert all(lrs[s] == pytest.approx(LR * 0.5) for s in window), (lrs, ack)
     assert all(lrs[s] == pytest.approx(LR) for s in lrs if s not in window)
     assert record.steps[-1][0] == STEPS - 1
     assert ack["discarded_checkpoints"] == [s for s in range(EVERY - 1, applied_at, EVERY) if s > target]
@@ -139,12 +148,15 @@ def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y, index = batch
             if torch.is_grad_enabled():
-                record.add(self.trainer.global_step, int(index), self.optimizers().param_groups[0]["lr"], self.gpt)
+                record.batch(self.trainer.global_step, int(index), self.gpt)
             _, loss = self.gpt(x, y)
             return loss * 30 if int(index) in POISONED else loss
 
         def on_after_backward(self) -> None:
             self.fp8.update()
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # after the callback's
+            record.lr(optimizer.param_groups[0]["lr"])
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=LR)
