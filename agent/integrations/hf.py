@@ -81,6 +81,7 @@ from fp8guard.agent.integrations._common import (
     set_instance_attr,
     write_state,
 )
+from fp8guard.agent.integrations._hf_heal import TrainerHealer
 from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
@@ -117,9 +118,12 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: CommandHandler | None = None, token: str | None = None, harm_probe: bool = True) -> None:
+                 handler: CommandHandler | None = None, token: str | None = None, harm_probe: bool = True,
+                 heal: bool = False) -> None:
         self.config = config_with_token(config, token)
         self.harm_probe = harm_probe
+        self.heal = heal
+        self.healer: TrainerHealer | None = None
         self._trainer: Any = None
         self._undo: list[Callable[[], None]] = []  # puts the wrapped Trainer methods back
         self._norm: torch.Tensor | float | None = None  # the Trainer's pre-clipping norm of this step
@@ -127,7 +131,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self.monitor: Monitor | None = None
         self._live = False
         self._transport = transport
-        self._remediator = remediator
+        self._handler = handler
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._params: list[torch.nn.Parameter] = []
         self._clipping = False
@@ -166,14 +170,27 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         monitor = Monitor(dataclasses.replace(config, compute_grad_norm=False), transport=self._transport)
         if restored is not None:
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
-        monitor.attach(model, optimizer, handler=self._remediator)
+        trainer = self._trainer if self._trainer is not None else _calling_trainer(self)
+        healer = None
+        if self.heal and self._handler is None:
+            if trainer is None:
+                log.warning("fp8guard: heal=True needs the Trainer (callback.bind(trainer)); commands are not applied")
+            else:
+                healer = TrainerHealer(trainer, model, sources=())
+                if restored is not None:
+                    position = restored.get("data_position")
+                    healer.drawn = position if isinstance(position, int) else 0
+                    healer.remember(state.global_step, folder)
+        monitor.attach(model, optimizer, handler=healer or self._handler)
+        if healer is not None:
+            healer.switches.sources = monitor.sources
+        self.healer = healer
         align_rank(monitor, int(args.process_index), int(args.world_size), "the Trainer")
         self.monitor, self._live = monitor, True
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self._pending, self._loss_sum, self._loss_n = None, None, 0
         self._norm, self._replay = None, None
-        trainer = self._trainer if self._trainer is not None else _calling_trainer(self)
         if trainer is not None:
             self._wrap(trainer)
         else:
@@ -199,6 +216,8 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             self._hook = None
         while self._undo:
             self._undo.pop()()
+        if self.healer is not None:
+            self.healer.undo()
         self._replay = None
         self.monitor.close(failed=failed)
 
@@ -310,6 +329,10 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         loss_fn = _probe_loss(replay) if self.harm_probe and replay is not None else None
         monitor.step(loss, grad_norm=norm, lr=lr, step=step, loss_fn=loss_fn)
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.healer is not None:
+            self.healer.settle(state, control)  # a rollback applied in this step: back to its checkpoint
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
         pending = self._pending
@@ -338,12 +361,22 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         try:
             if args.should_save and os.path.isdir(folder):
-                write_state(folder, monitor.state_dict())
+                write_state(folder, self.state_dict())
         except OSError as exc:  # the checkpoint itself is saved; only the run id is not kept
             log.warning("fp8guard: cannot write %s into %s: %s", STATE_FILE, folder, exc)
+        if self.healer is not None:
+            self.healer.remember(state.global_step, folder)
         # A checkpoint at global_step G holds the weights after steps 0..G-1.
         monitor.event(wire.EventKind.CHECKPOINT_SAVED, step=state.global_step - 1 if state.global_step else None,
                       data={"path": folder, "global_step": state.global_step})
+
+    def state_dict(self) -> dict[str, Any]:
+        """What ``fp8guard_monitor.json`` holds: ``Monitor.state_dict()`` (and, healing, the data
+        position a rollback skips batches from)."""
+        state = self.monitor.state_dict() if self.monitor is not None else {}
+        if self.healer is not None:
+            state["data_position"] = self.healer.drawn
+        return state
 
 
 def _probe_loss(replay: Callable[[], Any]) -> LossFn:

@@ -178,3 +178,57 @@ def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -
     assert trainer.global_step == STEPS
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == sorted(f"epoch=0-step={s}.ckpt" for s in range(EVERY, STEPS + 1, EVERY))
+
+
+# ---------------------------------------------------------------------------- transformers
+
+
+def test_hf_trainer_heals_through_its_checkpoint_folders(service: Any, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from fp8guard.agent.integrations.hf import FP8GuardTrainerCallback
+
+    record = Record()
+    at: dict[str, Any] = {}
+
+    class HFGPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(TINY)
+            self.fp8 = emulate_fp8(self.gpt)
+            self.gpt.lm_head.weight.register_post_accumulate_grad_hook(lambda p: self.fp8.update())
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> Any:
+            i = int(index[0])
+            if self.training and torch.is_grad_enabled():
+                record.batch(at["trainer"].state.global_step, i, self.gpt)
+            _, loss = self.gpt(input_ids, labels)
+            return {"loss": loss * 30 if i in POISONED else loss}
+
+    class LrRecorder(TrainerCallback):  # type: ignore[misc]
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                                  **kwargs: Any) -> None:
+            record.lr(optimizer.param_groups[0]["lr"])
+
+    data = [{"input_ids": x[0], "labels": y[0], "index": i} for x, y, i in _data()]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=1,
+                             learning_rate=LR, lr_scheduler_type="constant", save_steps=EVERY, report_to=[],
+                             use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0, max_grad_norm=0.0,
+                             train_sampling_strategy="sequential", logging_steps=4)
+    cb = FP8GuardTrainerCallback(_config(service, "hf-heal", tmp_path), heal=True)
+    trainer = at["trainer"] = Trainer(model=HFGPT(), args=args, train_dataset=data, callbacks=[cb, LrRecorder()])
+    trainer.train()
+
+    def weights(global_step: int) -> dict[str, torch.Tensor]:
+        fresh = HFGPT()
+        fresh.load_state_dict(load_file(tmp_path / "out" / f"checkpoint-{global_step}" / "model.safetensors"),
+                              strict=False)
+        return fresh.gpt.state_dict()
+
+    _check_healed(service, "hf-heal", record, weights)
+    assert trainer.state.global_step == STEPS
+    folders = {p.name for p in (tmp_path / "out").iterdir()}
+    assert folders == {f"checkpoint-{s}" for s in [*range(EVERY, STEPS + 1, EVERY), STEPS]}  # and the final one
