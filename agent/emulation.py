@@ -9,6 +9,10 @@ Usage::
         emu.update()          # once per forward/backward pair, see Fp8Emulation.update
         opt.step(); opt.zero_grad()
 
+Under a :class:`~fp8guard.agent.Monitor` the ``emu.update()`` line is not needed: ``monitor.step``
+closes the step itself when the loop has not (no FP8 forward since the last update), as TE does
+at the end of its autocast and backward. Call it before ``monitor.step`` or not at all.
+
 Numerics per emulated linear (same slot layout as TE):
 
 * forward slots ``[input, weight, output]``, backward slots ``[grad_output, grad_input]``.
@@ -52,6 +56,7 @@ __all__ = [
     "Fp8EmulatedLinear",
     "Fp8Emulation",
     "emulate_fp8",
+    "update_fp8_state",
 ]
 
 FWD_SLOTS: tuple[str, ...] = ("input", "weight", "output")
@@ -211,10 +216,19 @@ class Fp8EmulatedLinear(nn.Module):
         amax_history_len: int = 1024,
         fwd_format: Fp8Format = Fp8Format.E4M3,
         bwd_format: Fp8Format = Fp8Format.E5M2,
+        margin: int = 0,
+        amax_compute_algo: AmaxComputeAlgo = "max",
     ) -> None:
         super().__init__()
         if amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {amax_history_len}")
+        self.margin = margin
+        self.amax_compute_algo: AmaxComputeAlgo = amax_compute_algo
+        self.fp8_forwards = 0
+        """Training forwards in FP8 since the last scale update (a host counter, no device work):
+        nonzero means this step is still open (:func:`update_fp8_state` closes it)."""
+        self.fp8_forwards_total = 0
+        """Training forwards in FP8 since construction (telemetry's "does it run at all" check)."""
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         # Same Parameter objects, not copies: optimizer param groups and tied weights stay valid.
@@ -291,6 +305,9 @@ class Fp8EmulatedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled():  # a training forward (not a no-grad probe or evaluation)
+            self.fp8_forwards += 1
+            self.fp8_forwards_total += 1
         out_dtype = x.dtype
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
@@ -386,6 +403,8 @@ class Fp8Emulation:
                 amax_history_len=cfg.amax_history_len,
                 fwd_format=cfg.fwd_format,
                 bwd_format=cfg.bwd_format,
+                margin=cfg.margin,
+                amax_compute_algo=cfg.amax_compute_algo,
             )
             wrapper.train(lin.training)
             wrappers[id(lin)] = wrapper
@@ -463,43 +482,53 @@ class Fp8Emulation:
 
         All modules on a device are updated in one batched pass over concatenated buffers.
         """
-        cfg = self._config
-        active = [m for _, m in self._modules if m.fp8_enabled]
-        groups: dict[tuple[torch.device, int], list[Fp8EmulatedLinear]] = {}
-        for m in active:
-            key = (m.fp8_scale_fwd.device, m.fp8_amax_history_fwd.shape[0])
-            groups.setdefault(key, []).append(m)
-        for mods in groups.values():
-            self._update_group(mods, "fwd", cfg.fwd_format.fp8_max, cfg.amax_compute_algo, cfg.margin)
-            self._update_group(mods, "bwd", cfg.bwd_format.fp8_max, cfg.amax_compute_algo, cfg.margin)
+        update_fp8_state(m for _, m in self._modules)
 
-    @staticmethod
-    def _update_group(
-        mods: list[Fp8EmulatedLinear], direction: str, fp8_max: float, algo: AmaxComputeAlgo, margin: int
-    ) -> None:
-        hists = [cast(torch.Tensor, getattr(m, f"fp8_amax_history_{direction}")) for m in mods]
-        scales = [cast(torch.Tensor, getattr(m, f"fp8_scale_{direction}")) for m in mods]
-        # One [L, sum(slots)] history for the whole group: a handful of kernels instead of a handful
-        # per module; the results are scattered back with one copy per buffer.
-        history = torch.cat(hists, dim=1)
-        amax = update_amax_history(history, algo)
-        new_scale = compute_scale(amax, torch.cat(scales), fp8_max, margin)
-        widths = [s.numel() for s in scales]
-        single_row = history.shape[0] == 1
-        for m, h, s, h_new, s_new, a in zip(
-            mods,
-            hists,
-            scales,
-            torch.split(history, widths, dim=1),
-            torch.split(new_scale, widths),
-            torch.split(amax, widths),
-            strict=True,
-        ):
-            h.copy_(h_new)
-            s.copy_(s_new)
-            if single_row:
-                # With one row the roll zeroes it; "max" and "most_recent" both equal that row.
-                cast(torch.Tensor, getattr(m, f"_fp8_last_amax_{direction}")).copy_(a)
+
+@torch.no_grad()
+def update_fp8_state(modules: Iterable[Fp8EmulatedLinear]) -> None:
+    """:meth:`Fp8Emulation.update` for any emulated linears (each with its own formats, margin
+    and amax algorithm): reduce histories, recompute scales, roll; modules in high precision are
+    skipped. Resets each module's ``fp8_forwards``. Device work only, batched per group."""
+    groups: dict[tuple[Any, ...], list[Fp8EmulatedLinear]] = {}
+    for m in modules:
+        if not m.fp8_enabled:
+            continue
+        m.fp8_forwards = 0
+        key = (m.fp8_scale_fwd.device, m.fp8_amax_history_fwd.shape[0], m.fwd_format, m.bwd_format,
+               m.amax_compute_algo, m.margin)
+        groups.setdefault(key, []).append(m)
+    for mods in groups.values():
+        first = mods[0]
+        _update_group(mods, "fwd", first.fwd_format.fp8_max, first.amax_compute_algo, first.margin)
+        _update_group(mods, "bwd", first.bwd_format.fp8_max, first.amax_compute_algo, first.margin)
+
+
+def _update_group(mods: list[Fp8EmulatedLinear], direction: str, fp8_max: float, algo: AmaxComputeAlgo,
+                  margin: int) -> None:
+    hists = [cast(torch.Tensor, getattr(m, f"fp8_amax_history_{direction}")) for m in mods]
+    scales = [cast(torch.Tensor, getattr(m, f"fp8_scale_{direction}")) for m in mods]
+    # One [L, sum(slots)] history for the whole group: a handful of kernels instead of a handful
+    # per module; the results are scattered back with one copy per buffer.
+    history = torch.cat(hists, dim=1)
+    amax = update_amax_history(history, algo)
+    new_scale = compute_scale(amax, torch.cat(scales), fp8_max, margin)
+    widths = [s.numel() for s in scales]
+    single_row = history.shape[0] == 1
+    for m, h, s, h_new, s_new, a in zip(
+        mods,
+        hists,
+        scales,
+        torch.split(history, widths, dim=1),
+        torch.split(new_scale, widths),
+        torch.split(amax, widths),
+        strict=True,
+    ):
+        h.copy_(h_new)
+        s.copy_(s_new)
+        if single_row:
+            # With one row the roll zeroes it; "max" and "most_recent" both equal that row.
+            cast(torch.Tensor, getattr(m, f"_fp8_last_amax_{direction}")).copy_(a)
 
 
 def emulate_fp8(model: nn.Module, config: EmulationConfig | None = None) -> Fp8Emulation:

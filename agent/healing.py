@@ -60,7 +60,7 @@ from fp8guard.agent.sources.base import Source
 if TYPE_CHECKING:
     from fp8guard.agent.monitor import Monitor
 
-__all__ = ["Batches", "HealConfig", "Healer"]
+__all__ = ["Batches", "HealConfig", "Healer", "plain_batches"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -143,14 +143,15 @@ class Healer:
 
     # -- the loop's side -------------------------------------------------------------------------
 
-    def batches(self, data: Iterable[T], *, epochs: int | None = 1) -> Iterator[T]:
+    def batches(self, data: Iterable[T], *, epochs: int | None = 1, steps: int | None = None) -> Iterator[T]:
         if self._batches is not None and not self._batches.done:
             raise ConfigError("monitor.batches() is already iterating; use one at a time")
         stream = Batches(data, epochs=epochs)
+        _check_steps(steps)
         self._batches = stream
-        return self._drive(stream)
+        return self._drive(stream, steps)
 
-    def _drive(self, stream: Batches[T]) -> Iterator[T]:
+    def _drive(self, stream: Batches[T], steps: int | None) -> Iterator[T]:
         monitor = self._monitor
         if self.config.resume:
             self._resume()
@@ -162,6 +163,8 @@ class Healer:
                 elif monitor.next_step != seen:
                     self._maybe_save(monitor.next_step - 1)  # a step completed (optimizer.step ran)
                 seen = monitor.next_step
+                if steps is not None and seen >= steps:
+                    return
                 try:
                     batch = stream.next()
                 except StopIteration:
@@ -203,6 +206,20 @@ class Healer:
         if self._batches is None:
             raise CheckpointError("restoring the data position needs monitor.batches(data)")
         self._batches.load_state_dict(state)
+
+
+def _check_steps(steps: int | None) -> None:
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+        raise ConfigError(f"steps must be an int >= 0 or None, got {steps!r}")
+
+
+def plain_batches(data: Iterable[T], *, epochs: int | None, steps: int | None, monitor: Monitor) -> Iterator[T]:
+    """``monitor.batches`` without ``heal``: the data, ``epochs`` times, until ``steps``."""
+    _check_steps(steps)
+    for batch in Batches(data, epochs=epochs):
+        if steps is not None and monitor.next_step >= steps:
+            return
+        yield batch
 
 
 class Batches(Generic[T]):

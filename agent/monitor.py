@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -35,7 +36,7 @@ from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.harm import HarmProbe, LossFn
-from fp8guard.agent.healing import Batches, HealConfig, Healer
+from fp8guard.agent.healing import HealConfig, Healer, plain_batches
 from fp8guard.agent.kernels import sum_of_squares_into, triton_available
 from fp8guard.agent.shipper import Shipper
 from fp8guard.agent.sources import discover_sources
@@ -49,6 +50,10 @@ __all__ = ["Monitor", "device_grad_norm"]
 log = logging.getLogger("fp8guard.agent")
 
 T = TypeVar("T")
+
+_STALE_CHECK_STEPS = 10
+"""After this many ``step`` calls, ask each source once whether its FP8 state ever changed
+(``stale_reason``, host only) and warn loudly if not: silent zeros are worse than no data."""
 
 _TENSOR_TABLE_EVERY = 20
 """Re-send the tensor table every this many batches, so a service that lost its database
@@ -94,6 +99,8 @@ class Monitor:
         self.tripwire_broadcasts = 0
         """Extra command broadcasts entered after the tripwire fired (none in a healthy run)."""
         self._applied_ids: set[int] = set()
+        self._step_calls = 0
+        self._end_failed: set[str] = set()
         self.handler: CommandHandler | None = None
         """Applies the service's commands (``attach(handler=...)``, or the Healer of ``heal=``)."""
         self._healer: Healer | None = None
@@ -110,7 +117,7 @@ class Monitor:
         """Find the FP8 modules of ``model`` and start the background shipper. Returns self.
 
         ``heal=HealConfig("ckpt/")`` lets the service heal the run: checkpoints in that folder
-        (model, ``optimizer``, ``scheduler``, RNG, data position), BF16 fallback and promotion,
+        (model, ``optimizer``, ``scheduler`` (only used with ``heal``), RNG, data position), BF16 fallback and promotion,
         rollback with batch skipping and a lowered learning rate; iterate the data with
         ``for batch in monitor.batches(data):`` (:mod:`fp8guard.agent.healing`). ``handler``
         instead applies the commands your own way (a :class:`~fp8guard.agent.commands.CommandHandler`,
@@ -126,8 +133,9 @@ class Monitor:
             raise ConfigError("pass heal= (fp8guard's checkpoints and rollback) or handler= (your own), not both")
         if heal is not None and not isinstance(heal, HealConfig):
             raise ConfigError(f"heal must be a HealConfig, got {type(heal).__name__}")
-        if scheduler is not None and heal is None:
-            raise ConfigError("scheduler= is checkpointed by heal=HealConfig(...); pass both, or neither")
+        if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
+                                          and callable(getattr(scheduler, "load_state_dict", None))):
+            raise ConfigError("scheduler must have state_dict() and load_state_dict() (an LR scheduler), or be None")
         cfg = self.config
         self.rank, self.world_size = rank_and_world()
         self.run_id = shared_run_id(cfg.run_id)
@@ -229,6 +237,7 @@ class Monitor:
         if not self._attached:
             raise ConfigError("call Monitor.attach(model, optimizer) before Monitor.step()")
         current = self._next_step if step is None else step
+        self._end_fp8_step()
         if self._closed:
             return
         if self._broken or not self.reporting:
@@ -248,6 +257,27 @@ class Monitor:
             except Exception:
                 log.exception("fp8guard: the command handler's on_step failed")
         self._command_boundary(current, grad_norm)
+
+    def _end_fp8_step(self) -> None:
+        """Close the step in sources whose library needs it (the emulation's scale update when the
+        loop has no ``fp8.update()``): training numerics, so on every rank, reporting or not;
+        once after ``_STALE_CHECK_STEPS`` calls, warn about a source whose state never changed."""
+        for src in self._sources:
+            end = getattr(src, "end_step", None)
+            if end is not None and src.kind not in self._end_failed:
+                try:
+                    end()
+                except Exception:
+                    self._end_failed.add(src.kind)
+                    log.exception("fp8guard: closing the FP8 step in the %s source failed; not tried again", src.kind)
+        self._step_calls += 1
+        if self._step_calls == _STALE_CHECK_STEPS:
+            for src in self._sources:
+                reason = getattr(src, "stale_reason", None)
+                message = reason() if reason is not None else None
+                if message:
+                    log.warning("%s", message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # -- the tripwire ---------------------------------------------------------------------------
 
@@ -592,16 +622,17 @@ class Monitor:
 
     # -- introspection ---------------------------------------------------------------------------
 
-    def batches(self, data: Iterable[T], *, epochs: int | None = 1) -> Iterator[T]:
-        """Iterate ``data`` (``epochs`` times; None: forever) as the training loop's batches.
+    def batches(self, data: Iterable[T], *, epochs: int | None = 1, steps: int | None = None) -> Iterator[T]:
+        """Iterate ``data`` (``epochs`` times; None: forever) as the training loop's batches,
+        until ``next_step`` reaches ``steps`` if given (a step budget that rollbacks extend).
 
         With ``attach(heal=...)`` this is where healing meets the loop: a due checkpoint is
         saved when the loop asks for the batch after a completed step, and a rollback restores
         the checkpoint, moves the data back to its position and skips the batches the service
         says (:mod:`fp8guard.agent.healing`). Without ``heal`` it just iterates."""
         if self._healer is not None:
-            return self._healer.batches(data, epochs=epochs)
-        return iter(Batches(data, epochs=epochs))
+            return self._healer.batches(data, epochs=epochs, steps=steps)
+        return plain_batches(data, epochs=epochs, steps=steps, monitor=self)
 
     @property
     def healer(self) -> Healer | None:

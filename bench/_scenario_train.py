@@ -107,7 +107,7 @@ def train(sc: Scenario, *, url: str | None, run_id: str, workdir: Path, flush_st
                                     every_n_steps=sc.checkpoint_every, keep_last=20)
     monitor.attach(model, opt)
     if guarded:
-        monitor.remediator = Remediator(sources=list(monitor.sources), checkpoints=checkpoints, optimizer=opt)
+        monitor.handler = Remediator(sources=list(monitor.sources), checkpoints=checkpoints, optimizer=opt)
     bad = range(sc.onset, sc.onset + sc.bad_batches) if sc.kind == "data_spike" else range(0)
     noise = torch.Generator().manual_seed(10_007 + sc.seed)
     losses: dict[int, float] = {}

@@ -159,7 +159,7 @@ def run(cfg: HealConfig, args: argparse.Namespace) -> dict[str, Any] | None:
                       transport=None if rank == 0 else NullTransport())
     monitor.attach(model, opt)
     remediator = Recording(sources=list(monitor.sources), checkpoints=ckpts, optimizer=opt)
-    monitor.remediator = remediator
+    monitor.handler = remediator
     amax_equal: list[bool] = []
     step = 0
     t0 = time.perf_counter()
@@ -171,11 +171,9 @@ def run(cfg: HealConfig, args: argparse.Namespace) -> dict[str, Any] | None:
         norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         if emu is not None:
             emu.update()
-        remediator.on_step(step)
         monitor.step(loss, grad_norm=norm, step=step)
-        resume = remediator.take_resume_step()
-        if resume is not None:
-            step = resume
+        if monitor.next_step != step + 1:  # rolled back: continue from the restored step
+            step = monitor.next_step
             continue
         opt.step()
         sched.step()

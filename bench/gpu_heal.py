@@ -190,7 +190,7 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
     if monitor is not None:
         monitor.attach(model, opt)
         if guarded:
-            monitor.remediator = Remediator(sources=list(monitor.sources), checkpoints=checkpoints, optimizer=opt)
+            monitor.handler = Remediator(sources=list(monitor.sources), checkpoints=checkpoints, optimizer=opt)
     losses: dict[int, float] = {}
     timeline: list[tuple[int, float]] = []  # (step, loss) in execution order, rollbacks included
     step = 0

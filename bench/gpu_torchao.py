@@ -419,7 +419,7 @@ def run_recipe(torch: Any, float8: Any, a: argparse.Namespace, recipe: str, devi
     remediator = Remediator(model=model)
     loop.monitor = Monitor(MonitorConfig(url=None, sources=["torchao"], flush_interval_steps=50,
                                          count_interval_steps=0), transport=NullTransport()).attach(
-        model, opt, remediator=remediator)
+        model, opt, handler=remediator)
     try:
         _guard(lambda: part_overhead(torch, loop, a, deadline), out, "overhead")
         _guard(lambda: part_heal(torch, loop, a.heal_steps, remediator, start=loop.monitor.next_step), out, "heal")

@@ -179,15 +179,13 @@ def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, work
     """Train; return (per-step losses, mean loss of the 10 steps before the poisoned window)."""
     import torch
 
-    from fp8guard.agent import EmulationConfig, Monitor, MonitorConfig, NullTransport, emulate_fp8
-    from fp8guard.agent.checkpoint import CheckpointManager
-    from fp8guard.agent.remediation import Remediator
+    from fp8guard.agent import EmulationConfig, HealConfig, Monitor, MonitorConfig, NullTransport, emulate_fp8
     from fp8guard.nanogpt import GPT, GPTConfig, TextBatches, stdlib_text
 
     torch.manual_seed(cfg.seed)
     gcfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
     model = GPT(gcfg)
-    fp8 = emulate_fp8(model, EmulationConfig(amax_history_len=16))
+    emulate_fp8(model, EmulationConfig(amax_history_len=16))  # the monitor updates its scales each step
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     burst = range(cfg.lr_burst_start, cfg.lr_burst_start + cfg.lr_burst_steps)
 
@@ -199,10 +197,9 @@ def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, work
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     data = TextBatches(stdlib_text(2_000_000), block_size=gcfg.block_size, batch_size=8, seed=cfg.seed)
     poisoned = range(cfg.poison_start, cfg.poison_start + cfg.poison_batches)
-    current = {"batch": -1}
 
     def outlier(_: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if current["batch"] in poisoned:
+        if data.position - 1 in poisoned:  # the batch being trained on: the one drawn last
             return (args[0] * cfg.outlier_scale,)
         return None
 
@@ -213,35 +210,24 @@ def _train(cfg: DemoConfig, *, guarded: bool, url: str | None, run_id: str, work
                                     command_check_interval_steps=5, count_interval_steps=5, harm_interval_steps=10,
                                     run_config={"demo": True, "guarded": guarded}, token=token),
                       transport=None if url else NullTransport())
-    checkpoints = CheckpointManager(workdir / ("ckpt-guarded" if guarded else "ckpt-unguarded"), model=model,
-                                    optimizer=opt, scheduler=sched, data_state=lambda: {"position": data.position},
-                                    load_data_state=lambda s: setattr(data, "position", int(s["position"])),
-                                    every_n_steps=cfg.checkpoint_every, keep_last=8)
-    monitor.attach(model, opt)
-    remediator = None
-    if guarded:  # the unguarded twin trains the same way but never acts on anything
-        remediator = Remediator(sources=list(monitor.sources), checkpoints=checkpoints, optimizer=opt)
-        monitor.remediator = remediator
+    # The guarded run heals (checkpoints, fallback, rollback with batch skipping and a lowered
+    # learning rate); the unguarded twin trains the same way but never acts on anything.
+    heal = HealConfig(workdir / "ckpt-guarded", every_n_steps=cfg.checkpoint_every, keep_last=8) if guarded else None
+    monitor.attach(model, opt, scheduler=sched, heal=heal)
     losses: dict[int, float] = {}
-    step = 0
-    while step < cfg.steps:
-        current["batch"] = data.position
-        x, y = data.next()
+    for x, y in monitor.batches(data, steps=cfg.steps):  # a rollback moves the data and the step back
+        step = monitor.next_step
         _, loss = model(x, y)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the norm before clipping
-        fp8.update()
-        monitor.step(loss, grad_norm=norm, step=step, tokens=(step + 1) * x.numel(),
+        monitor.step(loss, grad_norm=norm, tokens=(step + 1) * x.numel(),
                      loss_fn=functools.partial(_batch_loss, model, x, y))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses[step] = float(loss.detach())  # the demo's own bookkeeping: one sync per step is fine here
-        if checkpoints.maybe_save(step) is not None:
-            monitor.event("checkpoint_saved", step=step, data={"path": str(checkpoints.path_for(step))})
-        step = monitor.next_step  # a rollback moves the step counter back
         if progress is not None:
-            progress(step, losses.get(step - 1, float("nan")))
+            progress(monitor.next_step, losses.get(monitor.next_step - 1, float("nan")))
     monitor.close()
     before = [losses[s] for s in range(cfg.poison_start - 10, cfg.poison_start) if s in losses]
     final = [losses[s] for s in range(cfg.steps - 10, cfg.steps) if s in losses]

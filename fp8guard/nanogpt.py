@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +100,9 @@ def stdlib_text(max_bytes: int = 4_000_000) -> bytes:
 
 
 class TextBatches:
-    """Deterministic random crops of a byte string; ``position`` can be saved and restored."""
+    """Deterministic random crops of a byte string, endless; ``position`` (the next batch's index)
+    is saved and restored by ``state_dict``/``load_state_dict``, so ``monitor.batches(data)``
+    can move it back after a rollback."""
 
     def __init__(self, data: bytes, *, block_size: int, batch_size: int, seed: int = 0) -> None:
         self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
@@ -117,3 +120,13 @@ class TextBatches:
         xy = self.batch(self.position)
         self.position += 1
         return xy
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])

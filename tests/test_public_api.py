@@ -20,8 +20,8 @@ PUBLIC = {
     ],
     "fp8guard.service.store": ["Store", "Window", "make_engine", "upgrade", "verify_schema"],
     "fp8guard.agent": [
-        "AgentError", "ConfigError", "EmulationConfig", "Fp8Emulation", "HttpTransport", "JsonlFileTransport",
-        "Monitor", "MonitorConfig", "NullTransport", "RunInfo", "Source", "SourceUnavailable", "TensorSpec",
+        "AgentError", "CheckpointError", "ConfigError", "EmulationConfig", "Fp8Emulation", "HealConfig",
+        "HttpTransport", "IntegrationUnavailable", "JsonlFileTransport", "Monitor", "MonitorConfig", "NullTransport", "RunInfo", "Source", "SourceUnavailable", "TensorSpec",
         "Transport", "emulate_fp8", "watch",
     ],
     "fp8guard.agent.kernels": ["count_cast_into", "sum_of_squares_into", "triton_available"],

@@ -1,7 +1,9 @@
 """Source for fp8guard's own CPU FP8 emulation (``fp8guard.agent.emulation``).
 
-Call ``Fp8Emulation.update()`` before ``Monitor.step()`` in each step, so the amax read here is
-the one the update just consumed (row -1 of the history after the roll, as in TE).
+The monitor closes each step before reading (:meth:`EmulationSource.end_step`): when no scale
+update ran since the step's FP8 forwards (the loop has no ``fp8.update()``), it runs one, so the
+amax read here is the one the update just consumed (row -1 of the history after the roll, as in
+TE). A loop that calls ``Fp8Emulation.update()`` itself must do so before ``Monitor.step()``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fp8guard.agent.emulation import Fp8EmulatedLinear
+from fp8guard.agent.emulation import Fp8EmulatedLinear, update_fp8_state
 from fp8guard.agent.fp8 import compute_scale
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, TensorSpec
 
@@ -53,6 +55,22 @@ class EmulationSource:
 
     def tensors(self) -> Sequence[TensorSpec]:
         return self._specs
+
+    def end_step(self) -> None:
+        """Close the step as TE does at the end of autocast and backward: update the scales from
+        this step's amaxes, unless the loop already did (``Fp8Emulation.update()``). Called by
+        ``Monitor.step`` before reading; host counters only decide, the update is device work."""
+        if any(m.fp8_forwards for m in self._mods):
+            update_fp8_state(self._mods)
+
+    def stale_reason(self) -> str | None:
+        """Why this source's FP8 state has not changed since attach (checked once by the monitor
+        after a few steps), naming the fix; None when it did."""
+        if any(m.fp8_forwards_total for m in self._mods) or not any(m.fp8_enabled for m in self._mods):
+            return None
+        return ("fp8guard: no emulated FP8 layer has run a training forward since attach, so every amax is 0 "
+                "and every scale 1: pass attach() the model your loop trains (the one emulate_fp8 converted) "
+                "and run its forward with gradients enabled")
 
     def _columns(self, fwd: list[torch.Tensor], bwd: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
         """Concatenate per-module fwd slots (input, weight) and bwd slot (grad_output), then put

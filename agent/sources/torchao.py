@@ -173,6 +173,8 @@ class TorchaoSource(TorchaoSwitch):
         self._counting = False
         self._paused = False
         """True during a harm probe's forwards: they are not this step's telemetry."""
+        self._forwards = 0
+        """Training forwards measured since construction (a host counter, for stale_reason)."""
         self._handles: list[Any] = []
         for k, (_, module) in enumerate(self._modules):
             self._handles.append(module.register_forward_pre_hook(self._forward_hook(3 * k)))
@@ -197,6 +199,7 @@ class TorchaoSource(TorchaoSwitch):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if self._paused or module.__dict__.get(_BF16, False):
                 return
+            self._forwards += 1
             x = args[0]
             # Float8Linear.forward: `if torch.is_autocast_enabled(): input = input.to(<cuda dtype>)`
             dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
@@ -232,6 +235,14 @@ class TorchaoSource(TorchaoSwitch):
         out[SCALE].copy_(scale)
         out[HISTORY_MAX].copy_(amax)  # dynamic scaling keeps no history: the window is this step
         amax.zero_()
+
+    def stale_reason(self) -> str | None:
+        """Why nothing was measured since attach (checked once by the monitor after a few steps),
+        naming the fix; None when something was."""
+        if self._forwards or not any(in_fp8(m) for _, m in self._modules):
+            return None
+        return ("fp8guard: no torchao Float8Linear has run a forward since attach, so every amax is 0: pass attach() "
+                "the model your loop trains, the one convert_to_float8_training converted (before torch.compile)")
 
     @property
     def supports_counts(self) -> bool:

@@ -80,7 +80,7 @@ def main() -> None:
                               every_n_steps=5, keep_last=5)
     remediator = RecordingRemediator(model, checkpoints=ckpts)
     monitor = Monitor(MonitorConfig(run_id="dist-rollback", command_check_interval_steps=5),
-                      transport=NullTransport()).attach(model, opt, remediator=remediator)
+                      transport=NullTransport()).attach(model, opt, handler=remediator)
     saved: dict[int, dict[str, str]] = {}
     done: list[int] = []
     resumed_position: int | None = None
@@ -90,16 +90,14 @@ def main() -> None:
         _, loss = ddp(x, y)
         loss.backward()
         fp8.update()
-        remediator.on_step(step)
         if rank == dist.get_world_size() - 1 and step == LOSE_AT:
             ckpts.path_for(14).unlink()
         if rank == 0 and step in COMMANDS:
             monitor.receive_commands(COMMANDS[step])
         monitor.step(loss, step=step)
-        resume = remediator.take_resume_step()
-        if resume is not None:
+        if monitor.next_step != step + 1:  # rolled back: continue from the restored step
             resumed_position = data.position
-            step = resume
+            step = monitor.next_step
             continue
         opt.step()
         opt.zero_grad()

@@ -23,6 +23,7 @@ from fp8guard.agent import Monitor, MonitorConfig, NullTransport, emulate_fp8  #
 from fp8guard.agent.checkpoint import CheckpointManager  # noqa: E402
 from fp8guard.agent.commands import Command, parse_command  # noqa: E402
 from fp8guard.agent.emulation import Fp8Emulation  # noqa: E402
+from fp8guard.agent.errors import CheckpointError  # noqa: E402
 from fp8guard.agent.remediation import Remediator  # noqa: E402
 from fp8guard.agent.transport import JsonlFileTransport  # noqa: E402
 from fp8guard.nanogpt import GPT, GPTConfig, TextBatches, stdlib_text  # noqa: E402
@@ -212,14 +213,14 @@ def test_validation_errors_say_what_to_change(tmp_path: Path) -> None:
             CheckpointManager(locked, model=model)
     ckpts = CheckpointManager(tmp_path / "ok", model=model, rank=0)
     ckpts.save(3)
-    with pytest.raises(ValueError, match=r"no checkpoint of step 7 .*steps: \[3\]"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 7 .*steps: \[3\]"):
         ckpts.load(7)
-    with pytest.raises(ValueError, match="cannot mark step 7"):
+    with pytest.raises(CheckpointError, match="cannot mark step 7"):
         ckpts.mark_known_good(7)
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         ckpts.save(-1)
     other = CheckpointManager(tmp_path / "ok", model=nn.Sequential(nn.Linear(2, 3)), rank=0)
-    with pytest.raises(ValueError, match="differ in shape"):
+    with pytest.raises(CheckpointError, match="differ in shape"):
         other.load(3)
     with pytest.raises(ValueError, match="skipping batches needs"):
         ckpts.skip_batches(2)
@@ -400,7 +401,7 @@ def _monitor_run(tmp_path: Path, remediator_kw: dict[str, Any] | None = None,
     events = tmp_path / "telemetry.jsonl"
     remediator = Remediator(checkpoints=r.ckpts, **(remediator_kw or {}))
     monitor = Monitor(MonitorConfig(run_id="rollback", command_check_interval_steps=5, flush_interval_steps=100),
-                      transport=JsonlFileTransport(events)).attach(r.model, r.opt, remediator=remediator)
+                      transport=JsonlFileTransport(events)).attach(r.model, r.opt, handler=remediator)
     return r, monitor, remediator, events
 
 
@@ -416,12 +417,11 @@ def _loop(r: Run, monitor: Monitor, remediator: Remediator, steps: Iterator[int]
         assert loss is not None
         loss.backward()
         r.fp8.update()
-        remediator.on_step(step)
         if inject and step in inject:
             monitor.receive_commands(inject[step])
-        monitor.step(loss, step=step)
-        resume = remediator.take_resume_step()
-        if resume is not None:
+        monitor.step(loss, step=step)  # also ends a lowered-LR window (the handler's on_step)
+        if monitor.next_step != step + 1:  # rolled back: this iteration belongs to the abandoned stretch
+            resume = monitor.next_step
             if on_resume is not None:
                 on_resume(step, resume)
             step = resume
@@ -538,9 +538,9 @@ def test_rollback_failures_change_nothing(tmp_path: Path) -> None:
     skip = Remediator(checkpoints=no_data).apply(_cmd("rollback", cid=4, checkpoint_step=4, skip_batches=5), step=9)
     assert skip.status == "failed" and "cannot skip 5 batches" in str(skip.error)
     _assert_same_state(_snapshot(r.model), before)
-    assert r.data.position == position and remediator.take_resume_step() is None
+    assert r.data.position == position
     x, y = r.data.batch(0)
     r.model(x, y)[1].backward()  # type: ignore[union-attr]  # gradients of the abandoned step
     ok = remediator.apply(_cmd("rollback", cid=5, checkpoint_step=4, skip_batches=2), step=9)
-    assert ok.status == "applied" and ok.resume_step == 5 and remediator.take_resume_step() == 5
+    assert ok.status == "applied" and ok.resume_step == 5
     assert r.data.position == 1 + 2 and all(p.grad is None for p in r.model.parameters())

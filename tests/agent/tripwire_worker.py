@@ -70,7 +70,7 @@ def main() -> None:
             return (args[0] * 1000.0,) if at["step"] == poison else None
         model.get_submodule("blocks.0.mlp_proj").register_forward_pre_hook(outlier)
     remediator = RecordingRemediator(checkpoints=ckpts, optimizer=opt)
-    monitor.attach(model, opt, remediator=remediator)
+    monitor.attach(model, opt, handler=remediator)
 
     # Every command broadcast this rank enters, by step (the run id's broadcast at attach is over).
     broadcasts: list[int] = []
@@ -95,9 +95,8 @@ def main() -> None:
         fp8.update()
         monitor.step(loss, step=step)
         calls += 1
-        resume = remediator.take_resume_step()
-        if resume is not None:
-            step = resume
+        if monitor.next_step != step + 1:  # rolled back: continue from the restored step
+            step = monitor.next_step
             continue
         opt.step()
         opt.zero_grad()
