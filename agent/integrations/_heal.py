@@ -179,12 +179,7 @@ class FrameworkHealer:
             self._restore(loaded)
             self._clear_grads()
             details["discarded_checkpoints"] = self._discard_after(target + 1)
-            position = saved.position if saved.position is not None else \
-                self.drawn - (step + 1 - saved.global_step) * self.accumulate
-            wanted = position + command.skip_batches * self.accumulate
-            self.pending_skip = max(0, wanted - self.drawn)
-            details["data_position"] = max(wanted, self.drawn)
-            details["skipped_batches"] = max(wanted, self.drawn) - position
+            details.update(self._plan_data(saved, command.skip_batches * self.accumulate, step))
             if command.lr_scale != 1.0 and command.lr_scale_steps > 0:
                 details.update(lr_scale=command.lr_scale, lr_scale_steps=command.lr_scale_steps,
                                lr_restore_step=target + 1 + command.lr_scale_steps)
@@ -199,6 +194,16 @@ class FrameworkHealer:
         self._lr = (command.lr_scale, command.lr_scale_steps)
         self.resume_step = target + 1
         return Outcome(AckStatus.APPLIED, resume_step=target + 1, details=details)
+
+    def _plan_data(self, saved: Saved, skip: int, step: int) -> dict[str, Any]:
+        """Where the data goes after the rollback (``skip`` batches past the checkpoint's
+        position): a live iterator only goes forward, ``pending_skip`` batches at the next draw.
+        Returns the acknowledgement's ``data_position`` and ``skipped_batches``."""
+        position = saved.position if saved.position is not None else \
+            self.drawn - (step + 1 - saved.global_step) * self.accumulate
+        wanted = position + skip
+        self.pending_skip = max(0, wanted - self.drawn)
+        return {"data_position": max(wanted, self.drawn), "skipped_batches": max(wanted, self.drawn) - position}
 
     def start_lr_window(self) -> None:
         """After the framework's step that applied a rollback has settled: scale the learning rate

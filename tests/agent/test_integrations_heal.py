@@ -232,3 +232,48 @@ def test_hf_trainer_heals_through_its_checkpoint_folders(service: Any, tmp_path:
     assert trainer.state.global_step == STEPS
     folders = {p.name for p in (tmp_path / "out").iterdir()}
     assert folders == {f"checkpoint-{s}" for s in [*range(EVERY, STEPS + 1, EVERY), STEPS]}  # and the final one
+
+
+# ------------------------------------------------------------------------------ Accelerate
+
+
+def test_accelerate_heals_through_save_state_and_load_state(service: Any, tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from fp8guard.agent import HealConfig
+    from fp8guard.agent.integrations.accelerate import attach_accelerate
+
+    record = Record()
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    gpt = GPT(TINY)
+    emulate_fp8(gpt)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
+    model, opt, sched = accelerator.prepare(gpt, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    monitor = attach_accelerate(accelerator, model, opt, _config(service, "acc-heal", tmp_path),
+                                heal=HealConfig(tmp_path / "ckpt", every_n_steps=EVERY, keep_last=10))
+    for x, y, index in monitor.batches(_data(), steps=STEPS):
+        record.batch(monitor.next_step, index, gpt)
+        _, loss = model(x, y)
+        loss = loss * 30 if index in POISONED else loss
+        accelerator.backward(loss)
+        monitor.step(loss)
+        record.lr(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    monitor.close()
+
+    def weights(global_step: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        fresh = GPT(TINY)
+        emulate_fp8(fresh)
+        fresh.load_state_dict(load_file(tmp_path / "ckpt" / f"step-{global_step - 1:09d}" / "model.safetensors"),
+                              strict=False)
+        return fresh.state_dict()
+
+    _check_healed(service, "acc-heal", record, weights)
+    folders = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert folders == {f"step-{s:09d}" for s in range(EVERY - 1, STEPS - 1, EVERY)}
