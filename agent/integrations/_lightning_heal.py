@@ -153,14 +153,10 @@ def _forget(cb: Any, path: str) -> None:
     """Drop a deleted file from a ``ModelCheckpoint``'s bookkeeping (so it is never reported as the
     best or last checkpoint, nor deleted twice)."""
     best_k = getattr(cb, "best_k_models", None)
-    if isinstance(best_k, dict) and best_k.pop(path, None) is not None:
-        pick = min if getattr(cb, "mode", "min") == "min" else max
-        worst = max if pick is min else min
-        if best_k:
-            cb.best_model_path = pick(best_k, key=best_k.get)
-            cb.best_model_score = best_k[cb.best_model_path]
-            cb.kth_best_model_path = worst(best_k, key=best_k.get)
-            cb.kth_value = best_k[cb.kth_best_model_path]
+    if isinstance(best_k, dict) and best_k.pop(path, None) is not None and best_k:
+        ranked = sorted(best_k, key=lambda p: float(best_k[p]), reverse=getattr(cb, "mode", "min") != "min")
+        cb.best_model_path, cb.kth_best_model_path = ranked[0], ranked[-1]
+        cb.best_model_score, cb.kth_value = best_k[ranked[0]], best_k[ranked[-1]]
     for name in ("best_model_path", "kth_best_model_path", "last_model_path"):
         if getattr(cb, name, None) == path:
             setattr(cb, name, "")

@@ -67,13 +67,25 @@ def _data(n: int = 64) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
 
 class Record:
     """What the training loop saw at each optimizer step, in order: (step, batch index, the lr
-    the optimizer stepped with, the weights the forward saw)."""
+    the optimizer stepped with, the weights the forward saw); whether ``blocks.0.mlp_fc``
+    computed in FP8. It also plays the service's operator: at the 30th batch it hands the monitor
+    a fallback of that module and one of a module that does not exist, at the 33rd a promotion
+    (as the service would deliver them; they apply at that step's command boundary)."""
 
-    def __init__(self) -> None:
+    def __init__(self, monitor: Any, prefix: str = "gpt.") -> None:
+        self.monitor = monitor
+        self.module = f"{prefix}blocks.0.mlp_fc"
         self.steps: list[tuple[int, int, float, dict[str, torch.Tensor]]] = []
+        self.fp8: list[bool] = []
 
     def batch(self, step: int, index: int, model: torch.nn.Module) -> None:
         self.steps.append((step, index, float("nan"), {k: v.detach().clone() for k, v in model.state_dict().items()}))
+        self.fp8.append(bool(model.get_submodule("blocks.0.mlp_fc").fp8_enabled))
+        commands = {30: [{"id": 9001, "kind": "fallback", "modules": [self.module]},
+                         {"id": 9002, "kind": "fallback", "modules": ["no.such.module"]}],
+                    33: [{"id": 9003, "kind": "promote", "modules": [self.module]}]}.get(len(self.steps))
+        if commands:
+            self.monitor().receive_commands(commands)
 
     def lr(self, lr: float) -> None:
         """Right before the optimizer steps (after the integration's hook: a rollback's window
@@ -89,7 +101,6 @@ def _check_healed(api: Any, run_id: str, record: Record, checkpoint_weights: Any
     findings = api.get(f"/v1/runs/{run_id}/findings").json()
     events = api.get(f"/v1/runs/{run_id}/events").json()
     assert [a["status"] for a in rollbacks] == ["applied"], (actions, findings, [(e["kind"], e["step"]) for e in events])
-    events = api.get(f"/v1/runs/{run_id}/events").json()
     acks = [e for e in events if e["kind"] == "command_acknowledged" and e["data"]["kind"] == "rollback"]
     assert len(acks) == 1 and acks[0]["data"]["status"] == "applied"
     ack = acks[0]["data"]
@@ -111,6 +122,14 @@ def _check_healed(api: Any, run_id: str, record: Record, checkpoint_weights: Any
     assert ack["discarded_checkpoints"] == [s for s in range(EVERY - 1, applied_at, EVERY) if s > target]
     detail = api.get(f"/v1/runs/{run_id}").json()
     assert detail["status"] == "finished" and detail["last_step"] == STEPS - 1
+    # the operator's commands: the module in BF16 from the batch after the fallback to the promotion
+    assert record.fp8[:30] == [True] * 30 and record.fp8[30:33] == [False] * 3 and all(record.fp8[33:])
+    acks = {e["data"]["command_id"]: e["data"] for e in events if e["kind"] == "command_acknowledged"}
+    assert (acks[9001]["status"], acks[9001]["modules"], acks[9003]["status"]) == ("applied", [record.module], "applied")
+    assert acks[9002]["status"] == "failed" and "no.such.module" in acks[9002]["error"]
+    switched = [(e["kind"], e["data"]["modules"]) for e in events if e["kind"].endswith(("fallback_applied",
+                                                                                        "promotion_applied"))]
+    assert switched == [("fallback_applied", [record.module]), ("promotion_applied", [record.module])]
     return ack
 
 
@@ -136,7 +155,7 @@ def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -
 
     from fp8guard.agent.integrations.lightning import FP8GuardCallback
 
-    record = Record()
+    record = Record(lambda: cb.monitor)
 
     class TinyGPT(LightningModule):
         def __init__(self) -> None:
@@ -190,7 +209,7 @@ def test_hf_trainer_heals_through_its_checkpoint_folders(service: Any, tmp_path:
 
     from fp8guard.agent.integrations.hf import FP8GuardTrainerCallback
 
-    record = Record()
+    record = Record(lambda: cb.monitor)
     at: dict[str, Any] = {}
 
     class HFGPT(torch.nn.Module):
@@ -245,7 +264,7 @@ def test_accelerate_heals_through_save_state_and_load_state(service: Any, tmp_pa
     from fp8guard.agent import HealConfig
     from fp8guard.agent.integrations.accelerate import attach_accelerate
 
-    record = Record()
+    record = Record(lambda: monitor, prefix="")
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     gpt = GPT(TINY)
