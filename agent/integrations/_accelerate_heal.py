@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fp8guard.agent.errors import CheckpointError
 from fp8guard.agent.healing import Batches, HealConfig
@@ -61,6 +61,16 @@ class _DataPosition:
         self.healer.loaded_data = dict(state)
 
 
+class _Replayed(Generic[T]):
+    """The data without its ``state_dict``: ``Batches`` replays it from the epoch's start."""
+
+    def __init__(self, data: Iterable[T]) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.data)
+
+
 class AccelerateHealer(FrameworkHealer):
     """The command handler ``attach_accelerate(..., heal=HealConfig(...))`` builds."""
 
@@ -84,6 +94,8 @@ class AccelerateHealer(FrameworkHealer):
     # -- the loop's side -------------------------------------------------------------------------
 
     def batches(self, data: Iterable[T], *, epochs: int | None = 1, steps: int | None = None) -> Iterator[T]:
+        if getattr(data, "use_stateful_dataloader", True) is False:
+            data = _Replayed(data)  # a prepared DataLoader has state_dict() even when it cannot give one
         stream: Batches[T] = Batches(data, epochs=epochs)
         self.stream = stream
         return self._drive(stream, steps)
@@ -149,7 +161,7 @@ class AccelerateHealer(FrameworkHealer):
                 target = dict(self.loaded_data)
                 target["position"] = int(target["position"]) + self._skip
                 self.stream.load_state_dict(target)
-            self.start_lr_window()
+            self.settled()
         except Exception as exc:
             raise CheckpointError(f"restoring {saved.path} after a rollback failed halfway ({type(exc).__name__}: "
                                   f"{exc}); restart the job from that folder") from exc

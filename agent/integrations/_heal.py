@@ -205,9 +205,12 @@ class FrameworkHealer:
         self.pending_skip = max(0, wanted - self.drawn)
         return {"data_position": max(wanted, self.drawn), "skipped_batches": max(wanted, self.drawn) - position}
 
-    def start_lr_window(self) -> None:
+    def settled(self) -> None:
         """After the framework's step that applied a rollback has settled: scale the learning rate
         as the command said (until ``resume_step + lr_scale_steps``)."""
+        if self.resume_step is not None:
+            log.warning("fp8guard: restored the checkpoint of step %d; training continues at step %d",
+                        self.resume_step - 1, self.resume_step)
         (scale, steps), self._lr = self._lr, (1.0, 0)
         if self.resume_step is not None and scale != 1.0 and steps > 0:
             self.window = LrWindow.start(self._optimizers(), self._schedulers(), scale, self.resume_step + steps)

@@ -131,6 +131,6 @@ class TrainerHealer(FrameworkHealer):
                 tr_loss.zero_()  # the abandoned steps' losses
             control.should_log = control.should_save = control.should_evaluate = False
             control.should_training_stop = state.global_step >= state.max_steps
-            self.start_lr_window()
+            self.settled()
         except Exception:
             log.exception("fp8guard: finishing the rollback to %s failed", saved.path)

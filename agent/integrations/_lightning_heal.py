@@ -124,7 +124,7 @@ class LightningHealer(FrameworkHealer):
             for cb in trainer.checkpoint_callbacks:
                 if hasattr(cb, "_last_global_step_saved"):
                     cb._last_global_step_saved = step  # the file of this step exists: no second save of it
-            self.start_lr_window()
+            self.settled()
             self._skip_data()
         except Exception:
             log.exception("fp8guard: finishing the rollback to global step %s failed", ckpt.get("global_step"))
