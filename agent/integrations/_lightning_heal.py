@@ -154,7 +154,8 @@ def _forget(cb: Any, path: str) -> None:
     best or last checkpoint, nor deleted twice)."""
     best_k = getattr(cb, "best_k_models", None)
     if isinstance(best_k, dict) and best_k.pop(path, None) is not None and best_k:
-        ranked = sorted(best_k, key=lambda p: float(best_k[p]), reverse=getattr(cb, "mode", "min") != "min")
+        ranked = sorted(best_k, key=lambda p: float("nan") if best_k[p] is None else float(best_k[p]),
+                        reverse=getattr(cb, "mode", "min") != "min")
         cb.best_model_path, cb.kth_best_model_path = ranked[0], ranked[-1]
         cb.best_model_score, cb.kth_value = best_k[ranked[0]], best_k[ranked[-1]]
     for name in ("best_model_path", "kth_best_model_path", "last_model_path"):

@@ -6,6 +6,12 @@
         monitor.step(loss); optimizer.step(); optimizer.zero_grad()   # step() before optimizer.step()
     monitor.close()
 
+**Healing**: ``attach_accelerate(..., heal=HealConfig("ckpt/", every_n_steps=100))`` and
+``for batch in monitor.batches(loader):`` (as a plain loop heals): checkpoints are
+``accelerator.save_state`` folders, a rollback restores one with ``accelerator.load_state`` at the
+next batch, and the data, step counter and learning rate follow the command
+(:mod:`fp8guard.agent.integrations._accelerate_heal`). ``handler=`` applies commands your own way.
+
 ``attach_accelerate`` attaches a :class:`~fp8guard.agent.Monitor` to the unwrapped model (so
 tensor names do not depend on the DDP/FSDP wrapper) and registers two Accelerate hooks (below).
 
@@ -145,9 +151,11 @@ def attach_accelerate(
 ) -> Monitor:
     """Attach a Monitor to ``model`` (prepared or not) and hook it into ``accelerator``'s
     checkpoints; returns the Monitor, whose ``step(loss)`` the loop calls before
-    ``optimizer.step()``. Configuration errors raise here, nothing later does. ``token``: the
-    service token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe=False``: no
-    harm probe built from the model's forward (see the module docstring)."""
+    ``optimizer.step()``. Configuration errors raise here; later only a rollback that fails
+    halfway (``CheckpointError``). ``heal``: heal through ``save_state``/``load_state`` (iterate
+    ``monitor.batches(loader)``; module docstring); ``handler``: apply commands your own way;
+    ``token``: the service token (default: the config's, else ``$FP8GUARD_TOKEN``);
+    ``harm_probe=False``: no harm probe built from the model's forward (module docstring)."""
     config = config_with_token(config, token)
     restored = read_state(os.fspath(resume_from)) if resume_from is not None else None
     if restored is not None and config.run_id is None:

@@ -8,6 +8,12 @@
                       callbacks=[FP8GuardTrainerCallback(MonitorConfig(url="http://127.0.0.1:8000"))])
     trainer.train()
 
+**Healing** (``heal=True``; ``save_steps`` makes the rollback targets): the service's commands
+apply inside ``train``: BF16 fallback and re-promotion of the named modules, and rollback to a
+``checkpoint-N`` folder, restored in place with the Trainer's own loaders, with the step
+counter, the data and the learning rate as the command says
+(:mod:`fp8guard.agent.integrations._hf_heal`). ``handler=`` applies them your own way.
+
 The Trainer hands callbacks neither its per-step loss, nor its inputs, nor its pre-clipping
 gradient norm (the loss and norm only reach ``on_log``, every ``logging_steps``). So at
 ``on_train_begin`` the callback finds the ``Trainer`` that runs it (the caller of its hook,
@@ -112,7 +118,8 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     """Monitors the FP8 modules of the model a ``Trainer`` trains. See the module docstring.
 
     ``transport`` replaces the HTTP transport built from ``config.url`` (tests, offline runs);
-    ``remediator`` applies the service's commands (see ``Monitor.attach``); ``token`` is the service
+    ``heal=True`` applies the service's commands through the Trainer's checkpoints (module
+    docstring); ``handler`` applies them your own way (see ``Monitor.attach``); ``token`` is the service
     token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe=False`` turns the
     harm probe off. After training the monitor stays readable as ``callback.monitor``.
     """

@@ -7,6 +7,12 @@
     trainer = Trainer(callbacks=[FP8GuardCallback(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8"))])
     trainer.fit(model)
 
+**Healing** (``heal=True``, beside a ``ModelCheckpoint(every_n_train_steps=N)`` whose files are
+the rollback targets): the service's commands apply inside ``fit``: BF16 fallback and
+re-promotion of the named modules, and rollback to a checkpoint file, restored in place with
+Lightning's own loaders, with the step counter, the data and the learning rate as the command
+says (:mod:`fp8guard.agent.integrations._lightning_heal`). ``handler=`` applies them your own way.
+
 What happens when:
 
 * ``on_train_start`` (optimizers exist and any ``ckpt_path`` was restored, in every strategy)
@@ -88,7 +94,8 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     """Monitors the FP8 modules of the LightningModule being fit. See the module docstring.
 
     ``transport`` replaces the HTTP transport built from ``config.url`` (tests, offline runs);
-    ``remediator`` applies the service's commands (see ``Monitor.attach``); ``token`` is the service
+    ``heal=True`` applies the service's commands through Lightning's checkpoints (module docstring);
+    ``handler`` applies them your own way (see ``Monitor.attach``); ``token`` is the service
     token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe``: True (re-run
     ``training_step``, the default), a ``(module, batch) -> loss`` callable, or False (no probe).
     After ``fit`` the monitor stays readable as ``callback.monitor``.

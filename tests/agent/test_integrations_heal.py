@@ -148,6 +148,7 @@ def _pl_warnings(f: Any) -> Any:
 
 
 @_pl_warnings
+@pytest.mark.slow
 def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     from lightning.pytorch import LightningModule, Trainer
@@ -202,6 +203,7 @@ def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -
 # ---------------------------------------------------------------------------- transformers
 
 
+@pytest.mark.slow
 def test_hf_trainer_heals_through_its_checkpoint_folders(service: Any, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
@@ -256,6 +258,7 @@ def test_hf_trainer_heals_through_its_checkpoint_folders(service: Any, tmp_path:
 # ------------------------------------------------------------------------------ Accelerate
 
 
+@pytest.mark.slow
 def test_accelerate_heals_through_save_state_and_load_state(service: Any, tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
