@@ -1,0 +1,141 @@
+"""When an integration cannot roll back, it says why in a failed acknowledgement and training goes
+on untouched (no service needed: the commands are handed to the monitor as the service would,
+the acknowledgements read back from a ``JsonlFileTransport``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fp8guard.agent import MonitorConfig, emulate_fp8  # noqa: E402
+from fp8guard.agent.transport import JsonlFileTransport  # noqa: E402
+from fp8guard.nanogpt import GPT, GPTConfig  # noqa: E402
+
+TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
+
+
+def _config(run_id: str) -> MonitorConfig:
+    return MonitorConfig(run_id=run_id, flush_interval_steps=2, command_check_interval_steps=1,
+                         harm_interval_steps=0, tripwire=False)
+
+
+def _acks(path: Path) -> dict[int, dict[str, Any]]:
+    return {e["data"]["command_id"]: {**e["data"], "step": e["step"]}
+            for line in path.read_text().splitlines() for e in json.loads(line)["events"]
+            if e["kind"] == "command_acknowledged"}
+
+
+def _data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, TINY.vocab_size, (2, TINY.block_size + 1), generator=g) for _ in range(n)]
+    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in xs]
+
+
+@pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers:UserWarning")
+@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
+def test_lightning_refuses_weights_only_checkpoints_and_trains_on(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fp8guard.agent.integrations.lightning import FP8GuardCallback
+
+    class TinyGPT(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(TINY)
+            emulate_fp8(self.gpt)
+            self.steps: list[int] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.steps.append(self.trainer.global_step)
+            if batch_idx == 3:  # the file of global step 2 exists, but holds no optimizer state
+                cb.monitor.receive_commands([{"id": 1, "kind": "rollback", "checkpoint_step": 1, "skip_batches": 1}])
+            return self.gpt(*batch)[1]
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(_data(8), batch_size=None)
+
+    out = tmp_path / "telemetry.jsonl"
+    cb = FP8GuardCallback(_config("pl-fail"), transport=JsonlFileTransport(out), heal=True)
+    module = TinyGPT()
+    Trainer(max_steps=6, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[cb, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                                       save_top_k=-1, save_weights_only=True)],
+            ).fit(module)
+    ack = _acks(out)[1]
+    assert ack["status"] == "failed" and ack["step"] == 3
+    assert "no Lightning checkpoint of step 1" in ack["error"] and "checkpoints of steps [] are" in ack["error"]
+    assert module.steps == [0, 1, 2, 3, 4, 5]  # nothing went back
+
+
+def test_hf_trainer_fails_a_rollback_whose_folder_is_gone(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from fp8guard.agent.integrations.hf import FP8GuardTrainerCallback
+
+    steps: list[int] = []
+
+    class HFGPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(TINY)
+            emulate_fp8(self.gpt)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+            if self.training and torch.is_grad_enabled():
+                step = trainer.state.global_step
+                steps.append(step)
+                if step == 3:
+                    shutil.rmtree(tmp_path / "out" / "checkpoint-2")
+                    cb.monitor.receive_commands([{"id": 1, "kind": "rollback", "checkpoint_step": 1}])
+            return {"loss": self.gpt(input_ids, labels)[1]}
+
+    out = tmp_path / "telemetry.jsonl"
+    cb = FP8GuardTrainerCallback(_config("hf-fail"), transport=JsonlFileTransport(out), heal=True)
+    data = [{"input_ids": x[0], "labels": y[0]} for x, y in _data(8)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=1,
+                             save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=HFGPT(), args=args, train_dataset=data, callbacks=[cb])
+    trainer.train()
+    ack = _acks(out)[1]
+    assert ack["status"] == "failed" and ack["step"] == 3 and "is gone" in ack["error"]
+    assert steps == [0, 1, 2, 3, 4, 5] and trainer.state.global_step == 6
+
+
+def test_hf_heal_without_its_trainer_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from fp8guard.agent.integrations import hf
+
+    monkeypatch.setattr(hf, "_calling_trainer", lambda callback: None)
+
+    class HFGPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = GPT(TINY)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+            return {"loss": self.gpt(input_ids, labels)[1]}
+
+    cb = hf.FP8GuardTrainerCallback(_config("hf-unbound"), transport=JsonlFileTransport(tmp_path / "t.jsonl"),
+                                    heal=True)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=1,
+                             report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    Trainer(model=HFGPT(), args=args, train_dataset=[{"input_ids": x[0], "labels": y[0]} for x, y in _data(2)],
+            callbacks=[cb]).train()
+    assert cb.healer is None and "heal=True needs the Trainer (callback.bind(trainer))" in caplog.text
