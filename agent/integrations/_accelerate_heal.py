@@ -169,6 +169,9 @@ class AccelerateHealer(FrameworkHealer):
     # -- FrameworkHealer ---------------------------------------------------------------------------
 
     def _read(self, saved: Saved) -> Saved:
+        if self.stream is None:
+            raise CheckpointError("a rollback is restored at the next batch of monitor.batches(loader), which this "
+                                  "loop does not iterate: write `for batch in monitor.batches(loader):`")
         folder = saved.path
         if not os.path.isdir(folder):
             raise CheckpointError(f"the save_state folder of step {saved.global_step - 1} is gone: {folder}")

@@ -208,12 +208,13 @@ class FrameworkHealer:
     def settled(self) -> None:
         """After the framework's step that applied a rollback has settled: scale the learning rate
         as the command said (until ``resume_step + lr_scale_steps``)."""
-        if self.resume_step is not None:
-            log.warning("fp8guard: restored the checkpoint of step %d; training continues at step %d",
-                        self.resume_step - 1, self.resume_step)
+        resume, self.resume_step = self.resume_step, None
         (scale, steps), self._lr = self._lr, (1.0, 0)
-        if self.resume_step is not None and scale != 1.0 and steps > 0:
-            self.window = LrWindow.start(self._optimizers(), self._schedulers(), scale, self.resume_step + steps)
+        if resume is None:
+            return
+        log.warning("fp8guard: restored the checkpoint of step %d; training continues at step %d", resume - 1, resume)
+        if scale != 1.0 and steps > 0:
+            self.window = LrWindow.start(self._optimizers(), self._schedulers(), scale, resume + steps)
 
     def _discard_after(self, global_step: int) -> list[int]:
         doomed = sorted(s for s in self.saved if s > global_step)
