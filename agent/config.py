@@ -91,6 +91,16 @@ class MonitorConfig:
     """...or a tensor's saturation ratio exceeds this (routine: 1.0-1.2 forward, ~4 backward)."""
     tripwire_warmup_steps: int = 10
     """Steps of averaging before the jump checks count (non-finite values count from the first)."""
+    tripwire_early_loss_rise: float = 0.05
+    """Before the warm-up ends: trips when the loss stays this fraction above the run's first loss
+    for ``tripwire_early_steps`` steps in a row (the service's ``early_loss_rise``: a healthy
+    run's loss only falls from its first value; a learning rate far too high lifts it by step 2)..."""
+    tripwire_early_grad_factor: float = 20.0
+    """...or the gradient norm stays this many times its smallest value so far (the service's
+    ``early_grad_factor``)..."""
+    tripwire_early_steps: int = 2
+    """...for this many steps in a row: one fewer than the service's ``early_steps``, so the
+    agent is already shipping and listening when the service's early rule fires."""
     tripwire_wait_s: float = 0.25
     """After it trips, the next step boundary waits up to this long for the decision (only then:
     a run that tripped is in trouble already; 0 never waits, and the command applies one step later)."""
@@ -165,6 +175,10 @@ class MonitorConfig:
             raise ConfigError("retry_max_s must be > 0")
         if not (self.tripwire_loss_factor > 1 and self.tripwire_grad_factor > 1 and self.tripwire_saturation > 1):
             raise ConfigError("tripwire_loss_factor, tripwire_grad_factor and tripwire_saturation must be > 1")
+        if not (self.tripwire_early_loss_rise > 0 and self.tripwire_early_grad_factor > 1
+                and self.tripwire_early_steps >= 1):
+            raise ConfigError("tripwire_early_loss_rise must be > 0, tripwire_early_grad_factor > 1 and "
+                              "tripwire_early_steps >= 1")
         if self.tripwire_warmup_steps < 0 or not self.tripwire_wait_s >= 0:
             raise ConfigError("tripwire_warmup_steps and tripwire_wait_s must be >= 0")
         if not 1 <= self.tripwire_lag_steps <= 16:

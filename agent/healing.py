@@ -110,16 +110,13 @@ class Healer:
         self.config = config
         self._monitor = monitor
         self._batches: Batches[Any] | None = None
-        try:
-            self.checkpoints = CheckpointManager(config.directory, model=model, optimizer=optimizer,
-                                                 scheduler=scheduler, data_state=self._data_state,
-                                                 load_data_state=self._load_data_state,
-                                                 every_n_steps=config.every_n_steps, keep_last=config.keep_last)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+        self.checkpoints = CheckpointManager(config.directory, model=model, optimizer=optimizer, scheduler=scheduler,
+                                             data_state=self._data_state, load_data_state=self._load_data_state,
+                                             every_n_steps=config.every_n_steps, keep_last=config.keep_last)
         self.remediator = Remediator(sources=list(sources), checkpoints=self.checkpoints, optimizer=optimizer,
                                      lr_schedule_hook=config.lr_schedule_hook, model=model, defer_restore=True)
         self._warned_no_batches = False
+        self._resumed = False
         if not config.resume and self.checkpoints.steps():
             log.warning("fp8guard: %s already holds checkpoints (steps %s) and HealConfig(resume=False): this run "
                         "starts afresh and prunes them as it saves its own", self.checkpoints.directory,
@@ -128,9 +125,11 @@ class Healer:
     # -- the CommandHandler protocol -------------------------------------------------------------
 
     def apply(self, command: Command, *, step: int) -> Outcome:
-        if command.kind == "rollback" and command.skip_batches > 0 and self._batches is None:
-            return Outcome(wire.AckStatus.FAILED, error="a rollback skips batches through monitor.batches(data): "
-                                                        "iterate `for batch in monitor.batches(data):`")
+        if command.kind == "rollback" and (self._batches is None or self._batches.done):
+            # heal= restores at the next batch of monitor.batches(): without it nothing would.
+            return Outcome(wire.AckStatus.FAILED, error="heal= rolls back at the next batch of monitor.batches(data), "
+                                                        "which this loop does not iterate: write `for batch in "
+                                                        "monitor.batches(data):`")
         return self.remediator.apply(command, step=step)
 
     def on_step(self, step: int) -> None:
@@ -153,7 +152,8 @@ class Healer:
 
     def _drive(self, stream: Batches[T], steps: int | None) -> Iterator[T]:
         monitor = self._monitor
-        if self.config.resume:
+        if self.config.resume and not self._resumed:
+            self._resumed = True  # once per job, not at every monitor.batches() (e.g. per epoch)
             self._resume()
         seen = monitor.next_step
         try:
@@ -185,10 +185,16 @@ class Healer:
         monitor.event(wire.EventKind.CHECKPOINT_SAVED, step=step, data={"path": str(path)})
 
     def _resume(self) -> None:
-        steps = self.checkpoints.steps()
-        if not steps:
+        # Every rank resumes from the same step: the newest one all of them hold (a crash while
+        # saving can leave the newest file on some ranks only).
+        per_rank = self.remediator.gather(set(self.checkpoints.steps()))
+        common = set.intersection(*per_rank)
+        if not common:
+            if any(per_rank):
+                log.warning("fp8guard: no checkpoint step is held by every rank (%s); starting afresh",
+                            [sorted(s)[-3:] for s in per_rank])
             return
-        step = steps[-1]
+        step = max(common)
         extra = self.checkpoints.load(step)
         state = extra.get("monitor")
         if isinstance(state, dict):

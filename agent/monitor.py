@@ -1,10 +1,11 @@
 """``Monitor``: the one object a training loop talks to.
 
-    monitor = Monitor(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8")).attach(model, optimizer)
-    for batch in data:
-        loss = model(batch); loss.backward(); optimizer.step()
-        monitor.step(loss)            # no host sync; call before zero_grad if grad norm is computed here
-        optimizer.zero_grad()
+    monitor = Monitor(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8")).attach(
+        model, optimizer, scheduler=scheduler, heal=HealConfig("ckpt/"))   # heal=: optional
+    for batch in monitor.batches(data):   # saves checkpoints; a rollback moves the data back
+        loss = model(batch); loss.backward()
+        monitor.step(loss)            # no host sync; before optimizer.step and zero_grad
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
     monitor.close()
 
 Per step the monitor only enqueues device work into preallocated buffers; every
@@ -58,6 +59,8 @@ _STALE_CHECK_STEPS = 10
 _TENSOR_TABLE_EVERY = 20
 """Re-send the tensor table every this many batches, so a service that lost its database
 relearns it instead of refusing the run's statistics forever."""
+_MAX_UNANSWERED_WAITS = 3
+"""Tripwire waits in a row without a decision after which a persisting trip only ships."""
 
 
 class Monitor:
@@ -91,6 +94,10 @@ class Monitor:
         self._urgent_until: int | None = None
         """After the tripwire fired: check commands at every step boundary up to this step."""
         self._urgent_waited = False
+        self._unanswered_waits = 0
+        """Waits for a decision in a row that no command answered: a trip that persists (a level
+        shift the service does not call an incident) stops costing ``tripwire_wait_s`` per step
+        after ``_MAX_UNANSWERED_WAITS`` of them."""
         self._tick = 0
         """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
         (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
@@ -168,7 +175,10 @@ class Monitor:
             self._tripwire = Tripwire(device, loss_factor=cfg.tripwire_loss_factor,
                                       grad_factor=cfg.tripwire_grad_factor, saturation=cfg.tripwire_saturation,
                                       warmup_steps=cfg.tripwire_warmup_steps, lag_steps=cfg.tripwire_lag_steps,
-                                      all_reduce=cfg.tripwire_all_reduce and self.world_size > 1)
+                                      all_reduce=cfg.tripwire_all_reduce and self.world_size > 1,
+                                      early_loss_rise=cfg.tripwire_early_loss_rise,
+                                      early_grad_factor=cfg.tripwire_early_grad_factor,
+                                      early_steps=cfg.tripwire_early_steps)
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
@@ -396,12 +406,14 @@ class Monitor:
 
     def _urgent_check(self, current: int) -> None:
         assert self._urgent_until is not None
-        if not self._inbox and not self._urgent_waited and self.config.tripwire_wait_s > 0:
+        if (not self._inbox and not self._urgent_waited and self.config.tripwire_wait_s > 0
+                and self._unanswered_waits < _MAX_UNANSWERED_WAITS):
             # Only after the tripwire fired, once: the decision is usually tens of ms away.
             self._urgent_waited = True
             deadline = time.monotonic() + self.config.tripwire_wait_s
             while not self._inbox and time.monotonic() < deadline:
                 time.sleep(0.002)
+            self._unanswered_waits = 0 if self._inbox else self._unanswered_waits + 1
         applied = len(self._applied_ids)
         self._check_commands(current)
         if len(self._applied_ids) > applied or current >= self._urgent_until:

@@ -11,11 +11,13 @@ with its checkpoints, and ``monitor.batches(data)`` applies rollbacks at the bat
                               load_data_state=lambda s: setattr(data, "position", s["position"]))
     monitor = Monitor(MonitorConfig(url=..., run_id=...))
     monitor.attach(model, opt, handler=Remediator(checkpoints=ckpts))
-    while monitor.next_step < total:      # a rollback moves monitor.next_step back
+    while monitor.next_step < total:
         step = monitor.next_step
         x, y = data.next()
         loss = model(x, y); loss.backward()
         monitor.step(loss)                # may apply a command, on every rank at the same step
+        if monitor.next_step != step + 1:  # rolled back (restored in place): skip the rest
+            continue
         opt.step(); sched.step(); opt.zero_grad()
         ckpts.maybe_save(step, extra={"monitor": monitor.state_dict()})
 
@@ -234,7 +236,7 @@ class Remediator:
                 selected = set(known)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        views = self._gather((error, unknown, knows_any))
+        views = self.gather((error, unknown, knows_any))
         errors = [(r, e) for r, (e, _, _) in enumerate(views) if e]
         if errors:
             return Outcome(AckStatus.FAILED, error=_per_rank(errors))
@@ -259,7 +261,7 @@ class Remediator:
         except Exception as exc:
             log.exception("fp8guard: switching FP8 modules failed")
             error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        errors = [(r, e) for r, e in enumerate(self.gather(error)) if e]
         if errors:
             return Outcome(AckStatus.FAILED, error=_per_rank(errors))
         details: dict[str, Any] = {"precision": "fp8" if enabled else "bf16", "switched_modules": len(selected)}
@@ -321,7 +323,7 @@ class Remediator:
             payload = ck.read(target)
         except Exception as exc:
             error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        errors = [(r, e) for r, e in enumerate(self.gather(error)) if e]
         if errors:
             return Outcome(AckStatus.FAILED, error=f"rollback to step {target} applied on no rank: {_per_rank(errors)}")
         assert payload is not None
@@ -355,7 +357,7 @@ class Remediator:
         except Exception as exc:
             log.exception("fp8guard: restoring the checkpoint of step %d failed", target)
             error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(self._gather(error)) if e]
+        errors = [(r, e) for r, e in enumerate(self.gather(error)) if e]
         if errors:
             return (f"rollback to step {target} failed while restoring on {_per_rank(errors)}; the other ranks "
                     f"restored, so the ranks no longer hold the same state: stop the job and restart it from "
@@ -419,7 +421,7 @@ class Remediator:
 
     # -- agreement across ranks ------------------------------------------------------------------
 
-    def _gather(self, value: Any) -> list[Any]:
+    def gather(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order (just ``[value]`` outside torch.distributed)."""
         if not (self._sync and dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return [value]

@@ -3,7 +3,11 @@ two later and without a per-step sync, that something is wrong right now.
 
 Per step it enqueues a few scalar ops on the device: a non-finite loss or gradient norm, a loss
 or gradient norm far above its running baseline (exponential averages kept on the device), or a
-saturation ratio far above the FP8 maximum. The verdict is copied non-blocking into its own
+saturation ratio far above the FP8 maximum. Before the baseline has its ``warmup_steps`` values,
+the bounds are the service's early ones, over fewer steps in a row: a loss above the run's first
+loss by ``early_loss_rise``, a gradient norm ``early_grad_factor`` times its smallest value so
+far, for ``early_steps`` checks in a row (a learning rate far too high blows up in the first
+handful of steps, before any running average means anything). The verdict is copied non-blocking into its own
 word of pinned host memory and an event is recorded. The tripwire decides nothing: the
 service's rules do. It only makes the agent hurry.
 
@@ -87,7 +91,8 @@ class Tripwire:
     """Checks written into device buffers, one host word per pending check; see the module docstring."""
 
     def __init__(self, device: torch.device, *, loss_factor: float, grad_factor: float, saturation: float,
-                 warmup_steps: int, use_loss: bool = True, lag_steps: int = 2, all_reduce: bool = False) -> None:
+                 warmup_steps: int, use_loss: bool = True, lag_steps: int = 2, all_reduce: bool = False,
+                 early_loss_rise: float = 0.05, early_grad_factor: float = 20.0, early_steps: int = 2) -> None:
         if lag_steps < 1:
             raise ValueError(f"lag_steps must be >= 1, got {lag_steps}")
         self.device = device
@@ -95,6 +100,9 @@ class Tripwire:
         self.grad_factor = float(grad_factor)
         self.saturation = float(saturation)
         self.warmup_steps = int(warmup_steps)
+        self.early_loss_rise = float(early_loss_rise)
+        self.early_grad_factor = float(early_grad_factor)
+        self.early_steps = int(early_steps)
         self.use_loss = use_loss
         self.lag_steps = int(lag_steps)
         self.all_reduce = all_reduce
@@ -102,6 +110,18 @@ class Tripwire:
         every step boundary then, as the monitor does): all bits become shared."""
         self._baseline = torch.zeros(2, device=device)  # loss, grad norm averages
         self._seen = torch.zeros(2, device=device)
+        # Before the warm-up ends: the first loss and the smallest gradient norm (the reference of
+        # the early bounds), and how many checks in a row were over them.
+        self._early_ref = torch.zeros(2, device=device)
+        self._early_run = torch.zeros(2, device=device)
+        # constants of the check, on the device once (a per-step torch.tensor() would copy from
+        # the host, which synchronises)
+        self._bit_values = torch.tensor([LOCAL, SHARED], dtype=torch.int32, device=device)
+        self._factors = torch.tensor([self.loss_factor, self.grad_factor], device=device)
+        self._nan = torch.full((), float("nan"), device=device)
+        self._false = torch.zeros((), dtype=torch.bool, device=device)
+        self._present = torch.eye(2, dtype=torch.bool, device=device)
+        """Row i: only quantity i was passed."""
         cuda = device.type == "cuda"
         # One word per check that can be pending: the lag's worth, the one just enqueued, and a spare.
         self._capacity = self.lag_steps + 2
@@ -131,21 +151,7 @@ class Tripwire:
         if tick < self._next_tick:
             return
         self._next_tick = tick + 1
-        bits = torch.zeros((), dtype=torch.int32, device=self.device)
-        for k, value, factor, bit in ((0, loss if self.use_loss else None, self.loss_factor, LOCAL),
-                                      (1, grad_norm, self.grad_factor, SHARED)):
-            if value is None:
-                continue
-            x = value.detach().reshape(()).float()
-            finite = torch.isfinite(x)
-            warm = self._seen[k] >= self.warmup_steps
-            jump = warm & (x > factor * self._baseline[k])
-            bits = bits | ((~finite | jump).int() * bit)
-            ok = finite & ~jump
-            first = self._seen[k] == 0
-            new = torch.where(first, x, self._baseline[k] + _EMA * (x - self._baseline[k]))
-            self._baseline[k] = torch.where(ok, new, self._baseline[k])
-            self._seen[k] = self._seen[k] + ok.float()
+        bits = self._scalar_bits(loss if self.use_loss else None, grad_norm)
         if saturation is not None and saturation.numel():
             bits = bits | ((torch.nan_to_num(saturation, nan=0.0) > self.saturation).any().int() * LOCAL)
         if self.all_reduce and dist.is_available() and dist.is_initialized():
@@ -166,6 +172,37 @@ class Tripwire:
                 event = self._events[index] = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         self._pending.append(_Slot(step=step, tick=tick, index=index))
+
+    def _scalar_bits(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """The loss's and the gradient norm's verdict bits, both quantities at once as a
+        2-vector (a fixed, small number of device ops whatever is passed), updating their
+        baselines and early references. A missing quantity is NaN here and changes nothing."""
+        present = [loss is not None, grad_norm is not None]
+        if not any(present):
+            return torch.zeros((), dtype=torch.int32, device=self.device)
+        x = torch.stack([v.detach().reshape(()).float() if v is not None else self._nan
+                         for v in (loss, grad_norm)])
+        finite = torch.isfinite(x)
+        seen, base, ref = self._seen, self._baseline, self._early_ref
+        warm = seen >= self.warmup_steps
+        first = seen == 0
+        jump = warm & (x > self._factors * base)
+        # before the warm-up: the loss over its first value by the early rise, the gradient norm
+        # over the early factor times its smallest value, ``early_steps`` checks in a row
+        bound = torch.stack([ref[0] + self.early_loss_rise * ref[0].abs(), self.early_grad_factor * ref[1]])
+        over = finite & ~warm & ~first & (x > bound)
+        self._early_run.copy_(torch.where(over, self._early_run + 1, torch.zeros_like(x)))
+        early = self._early_run >= self.early_steps
+        lower = torch.stack([self._false, x[1] < ref[1]])
+        self._early_ref.copy_(torch.where(finite & (first | lower), x, ref))
+        ok = finite & ~jump
+        new = torch.where(first, x, base + _EMA * (x - base))
+        self._baseline.copy_(torch.where(ok, new, base))
+        self._seen.copy_(seen + ok.float())
+        tripped = ~finite | jump | early
+        if not all(present):  # a quantity not passed is NaN here: it must not trip
+            tripped = tripped & self._present[present.index(True)]
+        return (tripped.int() * self._bit_values).sum().to(torch.int32)
 
     # -- the host side ------------------------------------------------------------------------
 

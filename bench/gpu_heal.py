@@ -49,6 +49,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.scenarios import steps_to_apply
+
 # TE 2.20 refuses its own pickled DelayedScaling checkpoint state unless told otherwise; the
 # checkpoints here are written and read by this process only.
 os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
@@ -335,11 +337,14 @@ def main() -> None:
             result = train(cfg, mode, url=service.base if mode != "bf16" else None, run_id=run_id, workdir=workdir)
             if mode != "bf16":
                 time.sleep(0.5)  # the service stores the last batches
-                result["findings"] = [{k: f[k] for k in ("step", "onset_step", "rule", "severity", "modules",
+                result["findings"] = [{k: f[k] for k in ("id", "step", "onset_step", "rule", "severity", "modules",
                                                          "explanation") if k in f}
                                       for f in api.get(f"/v1/runs/{run_id}/findings").json()]
-                result["actions"] = [{k: a[k] for k in ("step", "kind", "status", "reason", "payload") if k in a}
+                result["actions"] = [{k: a[k] for k in ("step", "kind", "status", "reason", "payload", "finding_ids",
+                                                        "applied_step") if k in a}
                                      for a in api.get(f"/v1/runs/{run_id}/actions").json()]
+                # per applied command: steps from the first step its findings saw to the step applied
+                result["steps_to_apply"] = steps_to_apply(result["findings"], result["actions"])
                 result["agent_events"] = [{"step": e["step"], "kind": e["kind"],
                                            "data": {k: v for k, v in e["data"].items()
                                                     if k in ("modules", "checkpoint_step", "skip_batches", "status", "gap",
@@ -369,6 +374,7 @@ def main() -> None:
                      f"geometrically over the first {cfg.ramp_batches} batches"),
         "unguarded_loss_leaves_bf16_at": spike,
         "first_finding_step": first,
+        "steps_to_apply": runs["fp8_guarded"].get("steps_to_apply"),
         "detected_steps_before_spike": (spike - first["fp8_guarded"])
         if spike is not None and first["fp8_guarded"] is not None else None,
         "val_loss": {m: round(r["val_loss"], 4) for m, r in runs.items()},

@@ -81,6 +81,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--heal-steps", type=int, default=30)
     p.add_argument("--sync-steps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=150.0, help="overhead rounds stop early past this share")
+    p.add_argument("--diagnose-steps", type=int, default=0,
+                   help="profile the host side of monitor.step over this many steps (bench/_host_profile.py)")
     a = p.parse_args()
     if a.cpu_smoke:
         for k, v in dict(layers=2, hidden=64, heads=4, seq=16, batch=2, rounds=2, block=2, warmup=1,
@@ -274,6 +276,25 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
     return res
 
 
+def part_diagnose(torch: Any, loop: Loop, steps: int) -> dict[str, Any]:
+    """Where ``monitor.step``'s host time goes (cProfile, allocator counters), after a warm-up."""
+    from bench._host_profile import profile_host
+
+    for _ in range(3):
+        loop.step("monitor")
+    held: dict[str, Any] = {}
+
+    def body() -> None:
+        held["loss"] = loop.forward_backward()
+        loop.opt.step()
+
+    def call() -> None:
+        loop.monitor.step(held["loss"])
+        loop.opt.zero_grad(set_to_none=True)
+
+    return {"ok": True, **profile_host(torch, call, steps=steps, before=body)}
+
+
 def part_sync(torch: Any, loop: Loop, steps: int, records: Records) -> dict[str, Any]:
     """Whole steps under sync debug 'error': plain first (is the check meaningful?), then
     monitored. The monitor swallows its own errors (and switches off), so its log is checked too:
@@ -421,6 +442,8 @@ def run_recipe(torch: Any, float8: Any, a: argparse.Namespace, recipe: str, devi
                                          count_interval_steps=0), transport=NullTransport()).attach(
         model, opt, handler=remediator)
     try:
+        if a.diagnose_steps:
+            _guard(lambda: part_diagnose(torch, loop, a.diagnose_steps), out, "diagnose")
         _guard(lambda: part_overhead(torch, loop, a, deadline), out, "overhead")
         _guard(lambda: part_heal(torch, loop, a.heal_steps, remediator, start=loop.monitor.next_step), out, "heal")
         if device == "cuda" and a.sync_steps:

@@ -22,9 +22,12 @@ app = typer.Typer(help="fp8guard: watch and heal FP8 training runs.", no_args_is
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 runs_app = typer.Typer(help="Inspect stored runs.", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens: create (shown once), list, revoke.", no_args_is_help=True)
+spool_app = typer.Typer(help="The agent's spool: batches it kept while the service was unreachable.",
+                        no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(runs_app, name="runs")
 app.add_typer(token_app, name="token")
+app.add_typer(spool_app, name="spool")
 
 DatabaseUrl = Annotated[
     str | None,
@@ -299,6 +302,82 @@ def token_revoke(
     finally:
         store.close()
     typer.echo(f"revoked {record.role} token {record.name!r}")
+
+
+@spool_app.command("flush")
+def spool_flush(
+    url: Annotated[str, typer.Option(envvar="FP8GUARD_URL", help="the fp8guard service")] = "http://127.0.0.1:8000",
+    spool_dir: Annotated[str | None, typer.Option(
+        "--spool-dir", show_default=False,
+        help="a spool folder, or a folder of them (default: the agent's, <user cache>/fp8guard/spool)")] = None,
+    token: Annotated[str | None, typer.Option(envvar="FP8GUARD_TOKEN", show_default=False,
+                                              help="an ingest token (default: $FP8GUARD_TOKEN)")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list the spools and send nothing")] = False,
+    attempts: Annotated[int, typer.Option(min=1, max=20, help="tries per batch on transient failures")] = 3,
+) -> None:
+    """Send spooled batches to the service, oldest first; each file is deleted only once the
+    service acknowledged it. Refused batches stay (listed); safe to run again."""
+    _need("agent", "httpx")
+    import logging
+    from pathlib import Path
+
+    from fp8guard.agent.transport.flush import default_spool_roots, find_spools, flush_spool
+    from fp8guard.agent.transport.private_dir import user_cache_root
+
+    if not url.startswith(("http://", "https://")):
+        raise _fail(f"--url must start with http:// or https://, not {url!r}")
+    if token is not None and (not token.strip() or "\n" in token):
+        raise _fail("--token (or $FP8GUARD_TOKEN) must be a non-empty single line")
+    if spool_dir is not None and not Path(spool_dir).is_dir():
+        raise _fail(f"no spool folder at {spool_dir}")
+    roots = [Path(spool_dir)] if spool_dir is not None else default_spool_roots()
+    spools = [s for root in roots for s in find_spools(root)]
+    if not spools:
+        typer.echo(f"nothing spooled in {', '.join(map(str, roots or [user_cache_root() / 'spool']))}")
+        return
+    if dry_run:
+        for s in spools:
+            registration = "registration kept" if s.run is not None else "no registration (run must exist)"
+            typer.echo(f"{s.run_id}  {s.directory}: {len(s.files)} batches, {s.size / 1024:.1f} KiB, {registration}")
+        typer.echo(f"{len(spools)} spools, {sum(len(s.files) for s in spools)} batches; nothing sent (--dry-run)")
+        return
+    transport_log = logging.getLogger("fp8guard.agent.transport")
+    level = transport_log.level
+    transport_log.setLevel(logging.CRITICAL)  # the lines below say it all, without the agent's advice
+    sent = duplicates = refused = left = 0
+    try:
+        for n, s in enumerate(spools):
+            report = flush_spool(s, url=url, token=token, attempts=attempts)
+            sent, duplicates = sent + report.sent, duplicates + report.duplicates
+            refused, left = refused + len(report.refused), left + report.left
+            line = (f"{s.run_id}  {s.directory}: {report.sent} sent"
+                    f"{f' ({report.duplicates} already stored)' if report.duplicates else ''}, "
+                    f"{len(report.refused)} refused, {report.left} left")
+            if report.stopped is not None:
+                line += f"; stopped: {report.stopped}{_flush_hint(report.stopped)}"
+            typer.echo(line)
+            for path, reason in report.refused:
+                typer.echo(f"  refused {path}: {reason}")
+            if report.unanswered:  # the service does not answer: the next spools would wait for nothing
+                for later in spools[n + 1:]:
+                    left += len(later.files)
+                    typer.echo(f"{later.run_id}  {later.directory}: not tried, {len(later.files)} left")
+                break
+    finally:
+        transport_log.setLevel(level)
+    typer.echo(f"{sent} batches sent ({duplicates} already stored), {refused} refused, {left} left in the spool")
+    if left:
+        raise typer.Exit(code=1)
+
+
+def _flush_hint(reason: str) -> str:
+    if "401" in reason:
+        return " (pass an ingest token: --token or $FP8GUARD_TOKEN)"
+    if "403" in reason:
+        return " (the token lacks the ingest role or is not scoped to this run)"
+    if "404" in reason:
+        return " (the service does not know the run, and this spool kept no registration)"
+    return ""
 
 
 def main() -> None:

@@ -39,3 +39,20 @@ def test_service_install_has_no_torch(tmp_path: Path) -> None:
     assert {"fastapi", "sqlalchemy", "psycopg", "fp8guard"} <= names
     assert not names & AGENT_ONLY, names & AGENT_ONLY
     assert not any(n.startswith("nvidia-") for n in names)
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_page_templates(tmp_path: Path) -> None:
+    """Built as a user's pip builds it: the pages' Jinja2 templates (the base layout included)
+    are package data, so an installed service renders its pages."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                           "--wheel-dir", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("fp8guard-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = sorted(p.name for p in (ROOT / "dashboards" / "web" / "templates").glob("*.html"))
+    assert "base.html" in sources and len(sources) >= 6
+    assert {f"fp8guard/dashboards/web/templates/{n}" for n in sources} <= names
+    assert "fp8guard/service/web/templates.py" in names

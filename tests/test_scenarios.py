@@ -106,12 +106,7 @@ def test_findings_and_first_decisions_do_not_depend_on_the_batch_size(board: dic
         assert s["first_decision_identical"], (name, [r["first_action"] for r in s["by_batch_size"].values()])
 
 
-@pytest.mark.parametrize("batch_size", [
-    1,
-    pytest.param(10, marks=pytest.mark.xfail(strict=True, reason=(
-        "the LR blowup's loss jumps at steps 2-4, inside the agent tripwire's 10-step warm-up, so its "
-        "finding's step reaches the service at the next flush (8 steps at batch size 10; docs/detection.md)"))),
-])
+@pytest.mark.parametrize("batch_size", [1, 10])
 def test_at_most_two_steps_from_the_anomaly_to_the_applied_command(board: dict[str, Any], batch_size: int) -> None:
     worst = {name: s["by_batch_size"][str(batch_size)]["max_steps_to_apply"] for name, s in board.items()}
     assert all(v is None or v <= 2 for v in worst.values()), worst

@@ -9,6 +9,12 @@ telemetry must not be able to crash a training run.
 the same bytes (the service deduplicates by ``batch_id``), spools to disk while the service is
 unreachable and backfills in order once it answers again. Only the standard library, httpx and
 :mod:`fp8guard.wire` are imported here.
+
+Modules: ``http`` (HttpTransport: settings, and the two halves joined), ``link`` (opaque bytes
+in order, from memory and the spool), ``delivery`` (one POST with retries, a typed ``Answer``),
+``breaker``, ``spool`` and ``spool_site`` (the files, and where they live), ``letters`` (the
+contract with the payload side, :mod:`fp8guard.agent.drop_reports`), ``flush`` (``fp8guard spool
+flush``), ``jsonl``, ``base``, ``payloads`` (read-only counts), ``responses``, ``ratelimit``.
 """
 
 from fp8guard.agent.transport.base import NullTransport, RunInfo, Transport, TransportStats

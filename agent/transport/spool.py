@@ -6,19 +6,24 @@ import bisect
 import gzip
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from fp8guard.agent.transport.base import RunInfo
 from fp8guard.agent.transport.payloads import carried_drops, count_steps
 
-__all__ = ["SPOOL_NAME_RE", "Spool", "SpoolEntry", "SpoolFull"]
+__all__ = ["REGISTRATION_FILE", "SPOOL_NAME_RE", "Spool", "SpoolEntry", "SpoolFull", "read_registration"]
 
 log = logging.getLogger("fp8guard.agent.transport")
 
 SPOOL_NAME_RE: Final = re.compile(r"^(\d{12})\.json\.gz$")
+REGISTRATION_FILE: Final = "run.json"
+"""Beside the batches: the run's registration (``RunInfo``), so ``fp8guard spool flush`` can
+register a run whose every request failed before the process ended."""
 
 
 class SpoolFull(Exception):
@@ -41,13 +46,16 @@ class Spool:
     time it reached the disk: a batch that fails while later ones were already spooled takes
     its own earlier place, so the backfill keeps the training order. ``make_dir`` creates the
     folder on the first write (a private one for the default location); the folder is not
-    created as long as nothing must be spooled.
+    created as long as nothing must be spooled. With ``run``, the first write also leaves the
+    run's registration beside the batches (:data:`REGISTRATION_FILE`).
     """
 
-    def __init__(self, directory: Path, max_bytes: int, *, make_dir: Callable[[Path], None] | None = None) -> None:
+    def __init__(self, directory: Path, max_bytes: int, *, make_dir: Callable[[Path], None] | None = None,
+                 run: RunInfo | None = None) -> None:
         self.directory = directory
         self._max_bytes = max_bytes
         self._make_dir = make_dir or _plain_mkdir
+        self._run = run
         self._entries: list[SpoolEntry] = []
         names = sorted(p for p in directory.iterdir() if SPOOL_NAME_RE.match(p.name)) if directory.is_dir() else []
         for path in names:
@@ -102,6 +110,8 @@ class Spool:
             self.remove(entry)
             evicted.append(entry)
         self._make_dir(self.directory)  # on the first write; again if someone cleaned it away
+        if self._run is not None:
+            self._write_registration(self._run)
         while True:
             path = self.directory / f"{seq:012d}.json.gz"
             try:
@@ -120,6 +130,29 @@ class Spool:
         bisect.insort(self._entries, SpoolEntry(seq, path, len(gz), steps, carried), key=lambda e: e.seq)
         self._bytes += len(gz)
         return evicted
+
+
+    def _write_registration(self, run: RunInfo) -> None:
+        """Once per process and folder, atomically (a reader never sees half a file)."""
+        try:
+            body = json.dumps({"run_id": run.run_id, **run.registration_body()}, default=str).encode()
+            tmp = self.directory / f".{REGISTRATION_FILE}.{os.getpid()}.tmp"
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(body)
+            os.replace(tmp, self.directory / REGISTRATION_FILE)
+        except (OSError, ValueError) as exc:  # the batches matter more: spool them anyway
+            log.warning("fp8guard: cannot write the run's registration to %s: %s", self.directory, exc)
+        self._run = None
+
+
+def read_registration(directory: Path) -> RunInfo | None:
+    """The registration a spool left beside its batches, or None (none written, or unreadable)."""
+    try:
+        data = json.loads((directory / REGISTRATION_FILE).read_bytes())
+        return RunInfo(run_id=data["run_id"], model=data.get("model"), recipe=data.get("recipe"),
+                       world_size=data.get("world_size", 1), config=data.get("config"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _seq_of(path: Path) -> int:

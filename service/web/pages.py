@@ -1,4 +1,5 @@
-"""Web dashboards: server-rendered HTML shells plus small vanilla JS that fetch the JSON query
+"""Web dashboards: server-rendered HTML shells (Jinja2 templates on one base layout, see
+:mod:`fp8guard.service.web.templates`) plus small vanilla JS that fetch the JSON query
 API (``/v1/runs/...``) and draw it with plotly. No build step; plotly.js is vendored as a pinned file
 (``dashboards/web/static/vendor/plotly-<version>.min.js``, with its licence) and served offline at
 ``/static/plotly.min.js``.
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import html
 import re
 import threading
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from string import Template
 from typing import Annotated
 from urllib.parse import parse_qs, quote
 
@@ -42,6 +41,7 @@ from fp8guard.service.auth import SESSION_COOKIE, Authenticator, Principal, requ
 from fp8guard.service.auth import tokens as auth_tokens
 from fp8guard.service.errors import NotFound
 from fp8guard.service.kinds import Role
+from fp8guard.service.web.templates import PageTemplates
 
 __all__ = ["install_page_errors", "web_router"]
 
@@ -76,10 +76,6 @@ class _Asset:
 class _Assets:
     def __init__(self) -> None:
         root = resources.files("fp8guard.dashboards").joinpath("web")
-        self.templates: dict[str, Template] = {}
-        for item in root.joinpath("templates").iterdir():
-            if item.name.endswith(".html"):
-                self.templates[item.name[:-5]] = Template(item.read_text(encoding="utf-8"))
         self.files: dict[str, _Asset] = {}
         for item in root.joinpath("static").iterdir():
             match = _STATIC_NAME.match(item.name)
@@ -92,6 +88,7 @@ class _Assets:
         self.plotly_version, self._plotly_file = vendored[0]
         self._plotly: _Asset | None = None
         self._lock = threading.Lock()
+        self.pages = PageTemplates(static=self.url, plotly=f"/static/{PLOTLY_FILE}?v={self.plotly_version}")
 
     def get(self, name: str) -> _Asset | None:
         if name == PLOTLY_FILE:
@@ -107,31 +104,19 @@ class _Assets:
         return f"/static/{name}?v={asset.etag}"
 
 
-def _page(assets: _Assets, template: str, *, title: str, script: str, data: dict[str, str],
-          helpers: tuple[str, ...] = ()) -> HTMLResponse:
-    attrs = " ".join(f'data-{k}="{html.escape(v, quote=True)}"' for k, v in sorted(data.items()))
-    body = assets.templates[template].substitute(
-        title=html.escape(title), css=assets.url("style.css"), common=assets.url("common.js"),
-        helpers="\n".join(f'<script src="{assets.url(h)}" defer></script>' for h in helpers),
-        script=assets.url(script), plotly=f"/static/{PLOTLY_FILE}?v={assets.plotly_version}", data=attrs,
-    )
+def _page(assets: _Assets, template: str, *, title: str, data: dict[str, str]) -> HTMLResponse:
+    body = assets.pages.render(template, title=title, data=data)
     return HTMLResponse(body, headers={**_HEADERS, "Cache-Control": "no-cache"})
 
 
 def _not_found_page(assets: _Assets, message: str) -> HTMLResponse:
-    body = assets.templates["notfound"].substitute(title="fp8guard: not found", css=assets.url("style.css"),
-                                                   message=html.escape(message))
+    body = assets.pages.render("notfound", title="fp8guard: not found", message=message)
     return HTMLResponse(body, status_code=404, headers={**_HEADERS, "Cache-Control": "no-store"})
 
 
 def _login_page(assets: _Assets, *, next_url: str, error: str = "", status_code: int = 200) -> HTMLResponse:
-    body = assets.templates["login"].substitute(
-        title="fp8guard: sign in", css=assets.url("style.css"), next=html.escape(next_url, quote=True),
-        error=html.escape(error), error_hidden="" if error else "hidden",
-    )
-    return HTMLResponse(body, status_code=status_code,
-                        headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-store",
-                                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
+    body = assets.pages.render("login", title="fp8guard: sign in", next=next_url, error=error)
+    return HTMLResponse(body, status_code=status_code, headers={**_HEADERS, "Cache-Control": "no-store"})
 
 
 def _local(next_url: str | None) -> str:
@@ -212,7 +197,7 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
 
     @pages.get("/", response_class=HTMLResponse)
     def runs_page() -> HTMLResponse:
-        return _page(assets, "runs", title="fp8guard: runs", script="runs.js", data={"poll": poll})
+        return _page(assets, "runs", title="fp8guard: runs", data={"poll": poll})
 
     def unknown_run(request: Request, *run_ids: str | None) -> HTMLResponse | None:
         """The HTML 404 page for the first given run id that is malformed or names no run."""
@@ -230,14 +215,13 @@ def web_router(*, poll_seconds: float = 5.0) -> APIRouter:
     @pages.get("/runs/{run_id}", response_class=HTMLResponse)
     def run_page(run_id: Annotated[str, PathParam(max_length=1024)], request: Request) -> HTMLResponse:
         return unknown_run(request, run_id) or _page(
-            assets, "run", title=f"fp8guard: {run_id}", script="run.js", data={"poll": poll, "run-id": run_id},
-            helpers=("precision.js", "harm.js", "story.js", "heatmap.js", "tables.js"))
+            assets, "run", title=f"fp8guard: {run_id}", data={"poll": poll, "run-id": run_id})
 
     @pages.get("/compare", response_class=HTMLResponse)
     def compare_page(request: Request, run: PageRunQuery = None, baseline: PageRunQuery = None) -> HTMLResponse:
         return unknown_run(request, run or None, baseline or None) or _page(
-            assets, "compare", title="fp8guard: compare", script="compare.js",
-            data={"poll": poll, "run": run or "", "baseline": baseline or ""}, helpers=("harm.js",))
+            assets, "compare", title="fp8guard: compare",
+            data={"poll": poll, "run": run or "", "baseline": baseline or ""})
 
     @router.get("/static/{name}")
     def static(name: str, request: Request) -> Response:

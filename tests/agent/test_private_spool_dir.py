@@ -39,7 +39,8 @@ def test_default_spool_is_created_private_under_the_user_cache(monkeypatch: pyte
     finally:
         os.umask(old)
     spool = tmp_path / "cache" / "fp8guard" / "spool" / "priv-run" / "rank-2"
-    assert t.spool_dir == spool and len(list(spool.iterdir())) == 1
+    assert t.spool_dir == spool and sorted(p.name for p in spool.iterdir()) == ["000000000001.json.gz", "run.json"]
+    assert (spool / "run.json").stat().st_mode & 0o777 == 0o600  # the registration (its config) too
     d = spool
     while d != tmp_path / "cache":
         assert d.stat().st_mode & 0o777 == 0o700, d
@@ -92,5 +93,5 @@ def test_explicit_spool_dir_is_used_as_given(tmp_path: Path) -> None:
     t = HttpTransport(URL, RunInfo("priv-run"), client=client, spool_dir=tmp_path / "mine" / "spool",
                       sleep=lambda s: None)
     t.send(_batch())
-    assert len(list((tmp_path / "mine" / "spool").iterdir())) == 1
+    assert len(list((tmp_path / "mine" / "spool").glob("*.json.gz"))) == 1
     t.close()

@@ -645,7 +645,7 @@ def test_default_spool_dir_is_per_run_and_rank(monkeypatch: pytest.MonkeyPatch, 
     assert t.spool_dir is None  # unknown until the first payload names its rank
     t.send(small(0, rank=5))
     expected = tmp_path / "cache" / "fp8guard" / "spool" / "run-1" / "rank-5"
-    assert t.spool_dir == expected and [p.name for p in expected.iterdir()] == ["000000000001.json.gz"]
+    assert t.spool_dir == expected and sorted(p.name for p in expected.iterdir()) == ["000000000001.json.gz", "run.json"]
     for d in (expected, expected.parent, expected.parent.parent, expected.parent.parent.parent):
         assert d.stat().st_mode & 0o777 == 0o700  # private: the fp8guard root and everything below
     t.close()

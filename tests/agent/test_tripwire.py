@@ -47,6 +47,29 @@ def test_jumps_trip_after_warmup_and_stay_out_of_the_baseline() -> None:
     assert _feed(_wire(), [3.0, 4.2, 3.0]) == []  # before warmup a jump alone does not count
 
 
+def test_a_blowup_from_the_first_step_trips_before_the_warmup_ends() -> None:
+    """A learning rate far too high: the loss leaves its first value at step 2, long before a
+    running average exists; the early bound (the service's, over one step fewer) catches it."""
+    assert _feed(_wire(warmup_steps=10), [3.0, 3.1, 6.0, 9.0, 11.0, 12.0]) == [3, 4, 5]
+    grads = [1.0, 0.5, 0.4, 12.0, 15.0, 30.0]
+    assert _feed(_wire(warmup_steps=10), [3.0] * 6, grads=grads) == [4, 5]
+
+
+def test_a_healthy_start_never_trips_the_early_bounds() -> None:
+    """Falling losses and a gradient norm that falls, then rises a few times its low, do not trip;
+    nor does a loss within the early rise of its first value."""
+    losses = [4.0, 3.9, 4.1, 3.5, 3.2, 3.3, 3.0, 2.9, 2.8, 2.9, 2.7, 2.6]
+    grads = [5.0, 2.0, 1.0, 0.8, 3.0, 4.0, 2.5, 2.0, 1.5, 1.4, 1.3, 1.2]
+    assert _feed(_wire(warmup_steps=10), losses, grads=grads) == []
+
+
+def test_the_early_bounds_stop_at_the_end_of_the_warmup() -> None:
+    """Once the baseline has its values, only the running-average jump counts (a loss that had
+    settled above its first value no longer trips)."""
+    losses = [3.0] + [3.5] * 15
+    assert _feed(_wire(warmup_steps=5), losses) == [2, 3, 4]  # checks 0-4 are the warm-up
+
+
 def test_saturation_far_over_the_fp8_maximum_trips() -> None:
     sats = [1.1] * 20
     sats[12] = 40.0
