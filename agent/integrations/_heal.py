@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fp8guard.agent.commands import AckStatus, Command, Outcome
@@ -167,7 +166,7 @@ class FrameworkHealer:
                 loaded = self._read(saved)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
+        errors = [(r, e) for r, e in enumerate(self.switches.gather(error)) if e]
         if errors:
             return Outcome(AckStatus.FAILED, error=f"rollback to step {target} applied on no rank: {_per_rank(errors)}")
         assert saved is not None
@@ -186,7 +185,7 @@ class FrameworkHealer:
         except Exception as exc:
             log.exception("fp8guard: restoring the %s checkpoint %s failed", self.framework, saved.path)
             error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
+        errors = [(r, e) for r, e in enumerate(self.switches.gather(error)) if e]
         if errors:
             return Outcome(AckStatus.FAILED, error=(
                 f"rollback to step {target} failed while restoring on {_per_rank(errors)}: stop the job and restart "
@@ -248,15 +247,6 @@ class FrameworkHealer:
 
     def _schedulers(self) -> list[Any]:
         raise NotImplementedError
-
-
-def _gather(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (just ``[value]`` outside torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _per_rank(errors: list[tuple[int, str]]) -> str:
