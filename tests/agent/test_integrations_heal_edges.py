@@ -1,6 +1,7 @@
-"""When an integration cannot roll back, it says why in a failed acknowledgement and training goes
-on untouched (no service needed: the commands are handed to the monitor as the service would,
-the acknowledgements read back from a ``JsonlFileTransport``)."""
+"""The integrations' healing at its edges, fast (no service: the commands are handed to the
+monitor as the service would, the acknowledgements read back from a ``JsonlFileTransport``):
+when a rollback cannot be done, the failed acknowledgement says why and training goes on
+untouched; the checkpoint a Lightning ``fit`` resumed from is a rollback target."""
 
 from __future__ import annotations
 
@@ -139,3 +140,57 @@ def test_hf_heal_without_its_trainer_says_so(tmp_path: Path, monkeypatch: pytest
     Trainer(model=HFGPT(), args=args, train_dataset=[{"input_ids": x[0], "labels": y[0]} for x, y in _data(2)],
             callbacks=[cb]).train()
     assert cb.healer is None and "heal=True needs the Trainer (callback.bind(trainer))" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers:UserWarning")
+@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning")  # the resumed fit saves elsewhere
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_lightning_rolls_back_to_the_checkpoint_fit_resumed_from(tmp_path: Path) -> None:
+    """After ``fit(ckpt_path=...)`` the file it resumed from is a rollback target: a rollback to it
+    in the resumed fit restores its weights and step (and the step counter goes back)."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fp8guard.agent.integrations.lightning import FP8GuardCallback
+
+    class TinyGPT(LightningModule):
+        def __init__(self, command_at: int | None = None) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(TINY)
+            emulate_fp8(self.gpt)
+            self.command_at = command_at
+            self.seen: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.append((self.trainer.global_step, {k: v.clone() for k, v in self.gpt.state_dict().items()}))
+            if self.trainer.global_step == self.command_at and len(self.seen) == 2:
+                callback.monitor.receive_commands([{"id": 7, "kind": "rollback", "checkpoint_step": 3}])
+            return self.gpt(*batch)[1]
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(_data(16), batch_size=None)
+
+    def fit(module: TinyGPT, steps: int, folder: str, ckpt_path: Path | None = None) -> None:
+        Trainer(max_steps=steps, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                enable_model_summary=False, callbacks=[callback, ModelCheckpoint(
+                    dirpath=tmp_path / folder, every_n_train_steps=4, save_top_k=-1)]).fit(module, ckpt_path=ckpt_path)
+
+    out = tmp_path / "telemetry.jsonl"
+    callback = FP8GuardCallback(_config("pl-resume"), transport=JsonlFileTransport(out), heal=True)
+    fit(TinyGPT(), 4, "first")
+    resumed = tmp_path / "first" / "epoch=0-step=4.ckpt"
+    callback = FP8GuardCallback(_config("pl-resume"), transport=JsonlFileTransport(out), heal=True)
+    module = TinyGPT(command_at=5)
+    fit(module, 8, "second", ckpt_path=resumed)
+    ack = _acks(out)[7]
+    assert ack["status"] == "applied" and ack["path"] == str(resumed) and ack["step"] == 5
+    steps = [s for s, _ in module.seen]
+    assert steps == [4, 5, 4, 5, 6, 7]  # back to the resumed checkpoint's step, then on to max_steps
+    saved = torch.load(resumed, weights_only=False)["state_dict"]
+    assert all(torch.equal(module.seen[2][1][k], saved[f"gpt.{k}"]) for k in module.seen[2][1])
