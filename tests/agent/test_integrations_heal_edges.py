@@ -194,3 +194,46 @@ def test_lightning_rolls_back_to_the_checkpoint_fit_resumed_from(tmp_path: Path)
     assert steps == [4, 5, 4, 5, 6, 7]  # back to the resumed checkpoint's step, then on to max_steps
     saved = torch.load(resumed, weights_only=False)["state_dict"]
     assert all(torch.equal(module.seen[2][1][k], saved[f"gpt.{k}"]) for k in module.seen[2][1])
+
+
+def test_hf_trainer_rolls_back_to_the_checkpoint_train_resumed_from(tmp_path: Path) -> None:
+    """After ``train(resume_from_checkpoint=...)`` that folder is a rollback target."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from fp8guard.agent.integrations.hf import FP8GuardTrainerCallback
+
+    seen: list[int] = []
+
+    class HFGPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(TINY)
+            emulate_fp8(self.gpt)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+            if self.training and torch.is_grad_enabled():
+                seen.append(trainer.state.global_step)
+                if seen == [4, 5]:
+                    callback.monitor.receive_commands([{"id": 7, "kind": "rollback", "checkpoint_step": 3}])
+            return {"loss": self.gpt(input_ids, labels)[1]}
+
+    def train(steps: int) -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=1,
+                                 save_steps=4, report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+                                 train_sampling_strategy="sequential")
+        data = [{"input_ids": x[0], "labels": y[0]} for x, y in _data(16)]
+        return Trainer(model=HFGPT(), args=args, train_dataset=data, callbacks=[callback])
+
+    out = tmp_path / "telemetry.jsonl"
+    callback = FP8GuardTrainerCallback(_config("hf-resume"), transport=JsonlFileTransport(out), heal=True)
+    trainer = train(4)
+    trainer.train()
+    seen.clear()
+    callback = FP8GuardTrainerCallback(_config("hf-resume"), transport=JsonlFileTransport(out), heal=True)
+    trainer = train(8)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    ack = _acks(out)[7]
+    assert ack["status"] == "applied" and ack["path"].endswith("checkpoint-4") and ack["step"] == 5
+    assert seen == [4, 5, 4, 5, 6, 7] and trainer.state.global_step == 8
