@@ -7,7 +7,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.monitor import Monitor
 
-__all__ = ["STATE_FILE", "align_rank", "config_with_token", "loss_in", "read_state", "write_state"]
+__all__ = ["STATE_FILE", "align_rank", "config_with_token", "loss_in", "read_state", "set_instance_attr", "write_state"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -72,3 +72,21 @@ def loss_in(output: Any) -> torch.Tensor | None:
     else:
         loss = getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def set_instance_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set ``obj.name`` on the instance (shadowing the class's method); returns the undo, which
+    puts back exactly what the instance had (an attribute of its own, or none)."""
+    own = obj.__dict__.get(name, _MISSING)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if own is _MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, own)
+
+    return undo
+
+
+_MISSING = object()

@@ -6,6 +6,12 @@
         monitor.step(loss); optimizer.step(); optimizer.zero_grad()   # step() before optimizer.step()
     monitor.close()
 
+**Healing**: ``attach_accelerate(..., heal=HealConfig("ckpt/", every_n_steps=100))`` and
+``for batch in monitor.batches(loader):`` (as a plain loop heals): checkpoints are
+``accelerator.save_state`` folders, a rollback restores one with ``accelerator.load_state`` at the
+next batch, and the data, step counter and learning rate follow the command
+(:mod:`fp8guard.agent.integrations._accelerate_heal`). ``handler=`` applies commands your own way.
+
 ``attach_accelerate`` attaches a :class:`~fp8guard.agent.Monitor` to the unwrapped model (so
 tensor names do not depend on the DDP/FSDP wrapper) and registers two Accelerate hooks (below).
 
@@ -37,14 +43,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 from fp8guard import wire
 from fp8guard.agent.commands import CommandHandler
 from fp8guard.agent.config import MonitorConfig
+from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.healing import HealConfig
+from fp8guard.agent.integrations._accelerate_heal import AccelerateHealer
 from fp8guard.agent.integrations._common import (
     STATE_FILE,
     config_with_token,
@@ -59,6 +68,8 @@ __all__ = ["STATE_FILE", "attach_accelerate"]
 
 log = logging.getLogger("fp8guard.agent")
 
+T = TypeVar("T")
+
 """Written into every ``save_state`` folder; holds ``Monitor.state_dict()``."""
 
 
@@ -72,6 +83,7 @@ class _AccelerateMonitor(Monitor):
         self._replay: Callable[[], torch.Tensor | None] | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._told = False
+        self.accelerate_healer: AccelerateHealer | None = None
 
     def watch(self, model: torch.nn.Module) -> None:
         """Remember the inputs of ``model``'s training forwards (references only, no device work)."""
@@ -91,6 +103,13 @@ class _AccelerateMonitor(Monitor):
             self._replay = lambda: loss_in(module(*args, **kwargs))
         except Exception:  # a forward hook that raised would stop training
             log.exception("fp8guard: remembering the forward failed; the harm probe needs monitor.step(loss_fn=...)")
+
+    def batches(self, data: Iterable[T], *, epochs: int | None = 1, steps: int | None = None) -> Iterator[T]:
+        """``Monitor.batches``; with ``attach_accelerate(heal=...)`` healing through ``save_state``/
+        ``load_state`` (:mod:`fp8guard.agent.integrations._accelerate_heal`)."""
+        if self.accelerate_healer is not None:
+            return self.accelerate_healer.batches(data, epochs=epochs, steps=steps)
+        return super().batches(data, epochs=epochs, steps=steps)
 
     def step(self, loss: torch.Tensor | float | None = None, **kwargs: Any) -> None:
         """``Monitor.step``; without a ``loss_fn``, the probe replays the last training forward."""
@@ -125,15 +144,18 @@ def attach_accelerate(
     *,
     transport: Transport | None = None,
     resume_from: str | os.PathLike[str] | None = None,
-    remediator: CommandHandler | None = None,
+    handler: CommandHandler | None = None,
     token: str | None = None,
     harm_probe: bool = True,
+    heal: HealConfig | None = None,
 ) -> Monitor:
     """Attach a Monitor to ``model`` (prepared or not) and hook it into ``accelerator``'s
     checkpoints; returns the Monitor, whose ``step(loss)`` the loop calls before
-    ``optimizer.step()``. Configuration errors raise here, nothing later does. ``token``: the
-    service token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe=False``: no
-    harm probe built from the model's forward (see the module docstring)."""
+    ``optimizer.step()``. Configuration errors raise here; later only a rollback that fails
+    halfway (``CheckpointError``). ``heal``: heal through ``save_state``/``load_state`` (iterate
+    ``monitor.batches(loader)``; module docstring); ``handler``: apply commands your own way;
+    ``token``: the service token (default: the config's, else ``$FP8GUARD_TOKEN``);
+    ``harm_probe=False``: no harm probe built from the model's forward (module docstring)."""
     config = config_with_token(config, token)
     restored = read_state(os.fspath(resume_from)) if resume_from is not None else None
     if restored is not None and config.run_id is None:
@@ -141,7 +163,16 @@ def attach_accelerate(
     monitor = _AccelerateMonitor(config, transport=transport, harm_probe=harm_probe)
     if restored is not None:
         monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
-    monitor.attach(accelerator.unwrap_model(model), optimizer, handler=remediator)
+    if heal is not None and handler is not None:
+        raise ConfigError("pass heal= (rollback through save_state/load_state) or handler= (your own), not both")
+    if heal is not None and not isinstance(heal, HealConfig):
+        raise ConfigError(f"heal must be a HealConfig, got {type(heal).__name__}")
+    unwrapped = accelerator.unwrap_model(model)
+    healer = AccelerateHealer(accelerator, unwrapped, optimizer, heal, monitor) if heal is not None else None
+    monitor.attach(unwrapped, optimizer, handler=healer or handler)
+    if healer is not None:
+        healer.switches.sources = monitor.sources
+        monitor.accelerate_healer = healer
     monitor.watch(model)  # the model the loop calls: its replay goes through the same wrapper
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
     if (monitor.rank, monitor.world_size) != (rank, world):
@@ -156,11 +187,15 @@ def attach_accelerate(
         try:
             if accelerator.is_main_process:
                 write_state(output_dir, monitor.state_dict())
+            if healer is not None:
+                healer.remember(monitor.next_step, os.fspath(output_dir))
             monitor.event(wire.EventKind.CHECKPOINT_SAVED, data={"path": os.fspath(output_dir)})
         except Exception:
             log.exception("fp8guard: could not record the checkpoint in %s", output_dir)
 
     def load_hook(models: list[Any], input_dir: str) -> None:
+        if healer is not None and healer.rolling_back:
+            return  # the monitor moved on to a new segment at the rollback; its counters stay
         try:
             state = read_state(os.fspath(input_dir))
             if state is None:

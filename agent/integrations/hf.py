@@ -8,6 +8,12 @@
                       callbacks=[FP8GuardTrainerCallback(MonitorConfig(url="http://127.0.0.1:8000"))])
     trainer.train()
 
+**Healing** (``heal=True``; ``save_steps`` makes the rollback targets): the service's commands
+apply inside ``train``: BF16 fallback and re-promotion of the named modules, and rollback to a
+``checkpoint-N`` folder, restored in place with the Trainer's own loaders, with the step
+counter, the data and the learning rate as the command says
+(:mod:`fp8guard.agent.integrations._hf_heal`). ``handler=`` applies them your own way.
+
 The Trainer hands callbacks neither its per-step loss, nor its inputs, nor its pre-clipping
 gradient norm (the loss and norm only reach ``on_log``, every ``logging_steps``). So at
 ``on_train_begin`` the callback finds the ``Trainer`` that runs it (the caller of its hook,
@@ -78,8 +84,10 @@ from fp8guard.agent.integrations._common import (
     config_with_token,
     loss_in,
     read_state,
+    set_instance_attr,
     write_state,
 )
+from fp8guard.agent.integrations._hf_heal import TrainerHealer
 from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
@@ -110,15 +118,19 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
     """Monitors the FP8 modules of the model a ``Trainer`` trains. See the module docstring.
 
     ``transport`` replaces the HTTP transport built from ``config.url`` (tests, offline runs);
-    ``remediator`` applies the service's commands (see ``Monitor.attach``); ``token`` is the service
+    ``heal=True`` applies the service's commands through the Trainer's checkpoints (module
+    docstring); ``handler`` applies them your own way (see ``Monitor.attach``); ``token`` is the service
     token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe=False`` turns the
     harm probe off. After training the monitor stays readable as ``callback.monitor``.
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: CommandHandler | None = None, token: str | None = None, harm_probe: bool = True) -> None:
+                 handler: CommandHandler | None = None, token: str | None = None, harm_probe: bool = True,
+                 heal: bool = False) -> None:
         self.config = config_with_token(config, token)
         self.harm_probe = harm_probe
+        self.heal = heal
+        self.healer: TrainerHealer | None = None
         self._trainer: Any = None
         self._undo: list[Callable[[], None]] = []  # puts the wrapped Trainer methods back
         self._norm: torch.Tensor | float | None = None  # the Trainer's pre-clipping norm of this step
@@ -126,7 +138,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self.monitor: Monitor | None = None
         self._live = False
         self._transport = transport
-        self._remediator = remediator
+        self._handler = handler
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._params: list[torch.nn.Parameter] = []
         self._clipping = False
@@ -165,14 +177,27 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         monitor = Monitor(dataclasses.replace(config, compute_grad_norm=False), transport=self._transport)
         if restored is not None:
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
-        monitor.attach(model, optimizer, handler=self._remediator)
+        trainer = self._trainer if self._trainer is not None else _calling_trainer(self)
+        healer = None
+        if self.heal and self._handler is None:
+            if trainer is None:
+                log.warning("fp8guard: heal=True needs the Trainer (callback.bind(trainer)); commands are not applied")
+            else:
+                healer = TrainerHealer(trainer, model, sources=())
+                if restored is not None:
+                    position = restored.get("data_position")
+                    healer.drawn = position if isinstance(position, int) else 0
+                    healer.remember(state.global_step, folder)
+        monitor.attach(model, optimizer, handler=healer or self._handler)
+        if healer is not None:
+            healer.switches.sources = monitor.sources
+        self.healer = healer
         align_rank(monitor, int(args.process_index), int(args.world_size), "the Trainer")
         self.monitor, self._live = monitor, True
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self._pending, self._loss_sum, self._loss_n = None, None, 0
         self._norm, self._replay = None, None
-        trainer = self._trainer if self._trainer is not None else _calling_trainer(self)
         if trainer is not None:
             self._wrap(trainer)
         else:
@@ -198,6 +223,8 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
             self._hook = None
         while self._undo:
             self._undo.pop()()
+        if self.healer is not None:
+            self.healer.undo()
         self._replay = None
         self.monitor.close(failed=failed)
 
@@ -216,7 +243,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 self._on_compute_loss(trainer, compute_loss, model, snapshot, args, kwargs, out)
             return out
 
-        self._undo.append(_set_instance_attr(trainer, "compute_loss", capture_loss))
+        self._undo.append(set_instance_attr(trainer, "compute_loss", capture_loss))
         accelerator = getattr(trainer, "accelerator", None)
         clip = getattr(accelerator, "clip_grad_norm_", None)
         if clip is None:
@@ -228,7 +255,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                 self._norm = norm  # the total norm before clipping, as the Trainer logs it
             return norm
 
-        self._undo.append(_set_instance_attr(accelerator, "clip_grad_norm_", capture_norm))
+        self._undo.append(set_instance_attr(accelerator, "clip_grad_norm_", capture_norm))
 
     def _on_compute_loss(self, trainer: Any, compute_loss: Callable[..., Any], model: Any, inputs: Any,
                          args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -309,6 +336,10 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         loss_fn = _probe_loss(replay) if self.harm_probe and replay is not None else None
         monitor.step(loss, grad_norm=norm, lr=lr, step=step, loss_fn=loss_fn)
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.healer is not None:
+            self.healer.settle(state, control)  # a rollback applied in this step: back to its checkpoint
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
         pending = self._pending
@@ -337,12 +368,22 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         try:
             if args.should_save and os.path.isdir(folder):
-                write_state(folder, monitor.state_dict())
+                write_state(folder, self.state_dict())
         except OSError as exc:  # the checkpoint itself is saved; only the run id is not kept
             log.warning("fp8guard: cannot write %s into %s: %s", STATE_FILE, folder, exc)
+        if self.healer is not None:
+            self.healer.remember(state.global_step, folder)
         # A checkpoint at global_step G holds the weights after steps 0..G-1.
         monitor.event(wire.EventKind.CHECKPOINT_SAVED, step=state.global_step - 1 if state.global_step else None,
                       data={"path": folder, "global_step": state.global_step})
+
+    def state_dict(self) -> dict[str, Any]:
+        """What ``fp8guard_monitor.json`` holds: ``Monitor.state_dict()`` (and, healing, the data
+        position a rollback skips batches from)."""
+        state = self.monitor.state_dict() if self.monitor is not None else {}
+        if self.healer is not None:
+            state["data_position"] = self.healer.drawn
+        return state
 
 
 def _probe_loss(replay: Callable[[], Any]) -> LossFn:
@@ -377,21 +418,3 @@ def _calling_trainer(callback: FP8GuardTrainerCallback) -> Any:
         return None
     finally:
         del frame
-
-
-def _set_instance_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
-    """Set ``obj.name`` on the instance (shadowing the class's method); returns the undo, which
-    puts back exactly what the instance had (an attribute of its own, or none)."""
-    own = obj.__dict__.get(name, _MISSING)
-    setattr(obj, name, value)
-
-    def undo() -> None:
-        if own is _MISSING:
-            obj.__dict__.pop(name, None)
-        else:
-            setattr(obj, name, own)
-
-    return undo
-
-
-_MISSING = object()

@@ -7,6 +7,12 @@
     trainer = Trainer(callbacks=[FP8GuardCallback(MonitorConfig(url="http://127.0.0.1:8000", run_id="gpt-fp8"))])
     trainer.fit(model)
 
+**Healing** (``heal=True``, beside a ``ModelCheckpoint(every_n_train_steps=N)`` whose files are
+the rollback targets): the service's commands apply inside ``fit``: BF16 fallback and
+re-promotion of the named modules, and rollback to a checkpoint file, restored in place with
+Lightning's own loaders, with the step counter, the data and the learning rate as the command
+says (:mod:`fp8guard.agent.integrations._lightning_heal`). ``handler=`` applies them your own way.
+
 What happens when:
 
 * ``on_train_start`` (optimizers exist and any ``ckpt_path`` was restored, in every strategy)
@@ -46,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +64,7 @@ from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.harm import LossFn
 from fp8guard.agent.integrations._common import align_rank, config_with_token, loss_in
+from fp8guard.agent.integrations._lightning_heal import LightningHealer
 from fp8guard.agent.monitor import Monitor, device_grad_norm
 from fp8guard.agent.transport import Transport
 
@@ -86,22 +94,25 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     """Monitors the FP8 modules of the LightningModule being fit. See the module docstring.
 
     ``transport`` replaces the HTTP transport built from ``config.url`` (tests, offline runs);
-    ``remediator`` applies the service's commands (see ``Monitor.attach``); ``token`` is the service
+    ``heal=True`` applies the service's commands through Lightning's checkpoints (module docstring);
+    ``handler`` applies them your own way (see ``Monitor.attach``); ``token`` is the service
     token (default: the config's, else ``$FP8GUARD_TOKEN``); ``harm_probe``: True (re-run
     ``training_step``, the default), a ``(module, batch) -> loss`` callable, or False (no probe).
     After ``fit`` the monitor stays readable as ``callback.monitor``.
     """
 
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None,
-                 remediator: CommandHandler | None = None, token: str | None = None,
-                 harm_probe: bool | HarmLoss = True) -> None:
+                 handler: CommandHandler | None = None, token: str | None = None,
+                 harm_probe: bool | HarmLoss = True, heal: bool = False) -> None:
         super().__init__()
         self.harm_probe = harm_probe
+        self.heal = heal
+        self.healer: LightningHealer | None = None
         self.config = config_with_token(config, token)
         self.monitor: Monitor | None = None
         self._live = False  # attached and not yet closed
         self._transport = transport
-        self._remediator = remediator
+        self._handler = handler
         self._restored: dict[str, Any] | None = None
         self._resumed_from: int | None = None
         self._params: list[torch.nn.Parameter] = []
@@ -125,7 +136,17 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         if restored is not None:
             monitor.load_state_dict(restored)  # before attach: run_started carries the resumed step
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        monitor.attach(pl_module, optimizer, handler=self._remediator)
+        healer = None
+        if self.heal and self._handler is None:
+            healer = LightningHealer(trainer, pl_module, sources=())
+            if restored is not None and trainer.ckpt_path and self._resumed_from is not None:
+                position = restored.get("data_position")
+                healer.drawn = int(position) if isinstance(position, int) else 0
+                healer.remember(self._resumed_from, os.fspath(trainer.ckpt_path))
+        monitor.attach(pl_module, optimizer, handler=healer or self._handler)
+        if healer is not None:
+            healer.switches.sources = monitor.sources
+        self.healer = healer
         align_rank(monitor, int(trainer.global_rank), int(trainer.world_size), "Lightning")
         self.monitor, self._live = monitor, True
         self._optimizer = optimizer
@@ -146,6 +167,8 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
             self._close(failed=False)
 
     def _close(self, *, failed: bool) -> None:
+        if self.healer is not None:
+            self.healer.undo()
         if self._live and self.monitor is not None:
             self._live = False
             self.monitor.close(failed=failed)
@@ -157,6 +180,8 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._live:
             self._batch = (batch, batch_idx)  # a reference: the probe's batch, dropped after the step
+            if self.healer is not None:
+                self.healer.drew()
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if not self._live or not pl_module.automatic_optimization:
@@ -193,6 +218,11 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         self._loss, self._batches, self._batch = None, 0, None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._record_manual(pl_module, outputs)
+        if self.healer is not None:
+            self.healer.settle()  # a rollback applied in this batch: back to the checkpoint's step
+
+    def _record_manual(self, pl_module: Any, outputs: Any) -> None:
         monitor = self.monitor
         if not self._live or monitor is None or pl_module.automatic_optimization:
             return  # automatic optimization recorded the step in on_before_optimizer_step
@@ -242,9 +272,13 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
     # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Lightning stores this in every checkpoint: the run id, next step and segment."""
+        """Lightning stores this in every checkpoint: the run id, next step and segment (and the
+        data position, for a rollback to skip batches from)."""
         if self.monitor is not None:
-            return self.monitor.state_dict()
+            state = self.monitor.state_dict()
+            if self.healer is not None:
+                state["data_position"] = self.healer.drawn
+            return state
         return dict(self._restored) if self._restored is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
