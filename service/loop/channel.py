@@ -58,6 +58,10 @@ class CommandChannel:
         finally:
             self.release(run_id, event)
 
+    def waiting(self, run_id: str) -> int:
+        """Long-polls waiting on ``run_id`` now."""
+        return self._waiters.get(run_id, 0)
+
     def release(self, run_id: str, event: asyncio.Event) -> None:
         """Give a ``watch`` ticket back without waiting (``wait`` does this itself)."""
         left = self._waiters[run_id] - 1

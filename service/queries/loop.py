@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from fp8guard.service.auth import AUTH_RESPONSES, FollowAccess, require
@@ -48,7 +48,7 @@ def actions(run_id: RunId, store: StoreDep) -> list[ActionOut]:
 @router.get("/{run_id}/commands", response_model=list[CommandOut], responses=_NOT_FOUND,
             summary="Pending remediation commands; long-polls with ?wait=S")
 async def commands(
-    run_id: RunId, store: StoreDep, settings: SettingsDep, channel: ChannelDep, _: FollowAccess,
+    run_id: RunId, request: Request, store: StoreDep, settings: SettingsDep, channel: ChannelDep, _: FollowAccess,
     wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait for a command when none is pending "
                                                          "(capped by the service's long_poll_max_s)")] = 0,
     after: Annotated[int, Query(ge=0, lt=2**63, description="only commands with a larger id (the newest id "
@@ -57,12 +57,15 @@ async def commands(
     """Answers at once when a pending command with an id above ``after`` exists; otherwise waits
     up to ``wait`` seconds for the loop to issue one (the same commands also ride on every ingest
     answer). A command decided in this process is answered the moment it is committed; one
-    decided by another process within ``command_poll_interval_s``."""
+    decided by another process within ``command_poll_interval_s``. A client that hangs up ends
+    its wait at the next poll (no request outlives its agent, nor holds up a shutdown)."""
     deadline = time.monotonic() + min(wait, settings.long_poll_max_s)
     while True:
         ticket = channel.watch(run_id) if wait > 0 else None
         pending = [c for c in await run_in_threadpool(store.commands, run_id) if c.id > after]
         left = deadline - time.monotonic()
+        if ticket is not None and not pending and left > 0 and await request.is_disconnected():
+            left = 0.0
         if ticket is None or pending or left <= 0:
             if ticket is not None:
                 channel.release(run_id, ticket)

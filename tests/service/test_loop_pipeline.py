@@ -209,3 +209,34 @@ def test_batches_left_unjudged_by_a_crash_are_judged_after_restart(migrated_url:
         findings = _wait_for(lambda: c.get("/v1/runs/crashed/findings").json(), timeout=20)
         assert [(f["rule"], f["step"]) for f in findings] == [("inf_amax", 9)]
         assert [x["kind"] for x in c.get("/v1/runs/crashed/commands").json()] == ["fallback"]
+
+
+def test_a_long_poll_ends_when_its_client_hangs_up(tmp_path: Any) -> None:
+    """An agent that exits while long-polling leaves no request behind: the service notices the
+    closed connection at its next poll and stops waiting (so a shutdown is not held up for the
+    rest of the wait either)."""
+    import socket
+
+    from tests.helpers import app_in_thread
+
+    url = f"sqlite:///{tmp_path / 'hangup.db'}"
+    from fp8guard.service.store import upgrade
+
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    app = create_app(Settings(database_url=url, auth="off", command_poll_interval_s=0.1))
+    with app_in_thread(app) as base:
+        assert httpx.put(f"{base}/v1/runs/gone", json={}).status_code == 201
+        host, port = base.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"GET /v1/runs/gone/commands?wait=60 HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while app.state.commands.waiting("gone") == 0:
+            assert time.monotonic() < deadline, "the long-poll never started waiting"
+            time.sleep(0.02)
+        sock.close()
+        deadline = time.monotonic() + 10
+        while app.state.commands.waiting("gone"):
+            assert time.monotonic() < deadline, "the long-poll kept waiting for a client that hung up"
+            time.sleep(0.02)
