@@ -64,4 +64,4 @@ for f in fp8guard/*.py fp8guard/py.typed; do ln -s "$PWD/$f" .typecheck/fp8guard
 for d in agent service dashboards migrations; do ln -s "$PWD/$d" ".typecheck/fp8guard/$d"; done
 (cd .typecheck && mypy --config-file ../pyproject.toml -p fp8guard)
 echo "== pytest"
-python -m pytest "$@"
+python -m pytest -m "" "$@"  # every tier: the slow stories too (a plain `pytest` runs the fast tier)

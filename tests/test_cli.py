@@ -55,6 +55,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fp8guard", *args], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_bad_database_urls_fail_in_one_line() -> None:
     for url, expected in (("mysql://x@y/z", "error: database_url: unsupported database 'mysql'"),
                           ("not a url", "error: database_url: not a database URL"),

@@ -103,6 +103,7 @@ def service(tmp_path: Path) -> object:
         yield base
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", PYTHON, ids=[f"README.md:{b.line}" for b in PYTHON])
 def test_readme_block_runs_as_is(block: Block, service: str, tmp_path: Path) -> None:
     lacking = missing(block.needs)

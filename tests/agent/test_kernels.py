@@ -110,6 +110,7 @@ _INTERPRETED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,6 +148,7 @@ _TABLE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_table_grad_norm_under_the_interpreter() -> None:
     """GradNorm's one-launch-per-dtype Triton path (a device table of gradient addresses)."""
     pytest.importorskip("triton")

@@ -134,6 +134,7 @@ def _judged(url: str, size: int) -> tuple[list[tuple[Any, ...]], list[tuple[Any,
         store.close()
 
 
+@pytest.mark.slow
 def test_the_loop_decides_the_same_at_every_batch_size(tmp_path: Any) -> None:
     from fp8guard.service.store import make_engine, upgrade
 

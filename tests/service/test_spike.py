@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import batch, post, register, stat_values
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [1, 3, 50, 700, 5000])
 def test_single_step_spike_survives_any_zoom(client, width: int) -> None:
     register(client, "spiky")

@@ -279,6 +279,7 @@ def test_run_page_plots_and_escaping(page: Any, base_url: str) -> None:
     _clean(page)
 
 
+@pytest.mark.slow
 def test_run_page_rollback_and_live_update(page: Any, base_url: str) -> None:
     _open(page, base_url + "/runs/rolled")
     names = page.evaluate("() => document.getElementById('loss').data.map(t => t.name)")
