@@ -49,7 +49,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._serve import serve
+from bench._serve import serve_process
 from fp8guard import wire
 
 STAT_NAMES = ("amax", "scale", "saturation", "amax_history_max", "overflows", "underflows")
@@ -223,7 +223,16 @@ async def _stored(client: httpx.AsyncClient, run_id: str) -> tuple[int, int] | s
         return f"GET {run_id}: {exc}"
 
 
-async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | None = None) -> dict[str, Any]:
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc (0 without a pid)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | None = None,
+                server_pid: int | None = None) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:6]
     batches = Batches(args.tensors, args.stats, args.steps_per_batch)
     conns = args.agents + 2 * args.decisions + 4
@@ -238,6 +247,7 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         for r in registered:
             r.raise_for_status()
         tally, probe_tally = Tally(), Tally()
+        cpu_start = _cpu_s(server_pid)
         t_start = time.monotonic() + 0.05
         t_end = t_start + args.duration
         probes = [asyncio.create_task(_probe(client, batches, probe_tally, f"probe-{i}-{tag}",
@@ -247,6 +257,7 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
                                         for run in runs))
         wall = time.monotonic() - t_start
         decisions = await asyncio.gather(*probes)
+        server_cpu = _cpu_s(server_pid) - cpu_start
         acked = {**tally.acked, **probe_tally.acked}
         stored = await asyncio.gather(*(_stored(reader, run) for run in acked))
     mismatched = []
@@ -275,6 +286,9 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         "warmup_s": WARMUP_S,
         "steady_p99_ms": round(float(np.percentile(steady, 99)), 2) if steady.size else None,
         "first_batch_p99_ms": round(float(np.percentile(first, 99)), 2) if first.size else None,
+        # the service process's CPU time over the load (all its threads), per batch answered
+        "server_cpu_ms_per_batch": round(server_cpu * 1e3 / max(1, len(tally.latencies)), 2)
+        if server_pid is not None else None,
         "errors": tally.errors,
         "error_examples": tally.examples + probe_tally.examples[:3 - len(tally.examples)],
         "stored_equals_acked": not mismatched and bool(acked), "mismatches": mismatched[:3],
@@ -304,8 +318,8 @@ def _tokens(database_url: str) -> dict[str, str]:
 
 def _run(database_url: str, args: argparse.Namespace) -> dict[str, Any]:
     tokens = _tokens(database_url) if args.auth else None
-    with serve(database_url, auth=args.auth) as base:  # serve migrates the database
-        return {**asyncio.run(_load(base, args, tokens)), "auth": args.auth}
+    with serve_process(database_url, auth=args.auth) as served:  # serve migrates the database
+        return {**asyncio.run(_load(served.base, args, tokens, served.proc.pid)), "auth": args.auth}
 
 
 def _sqlite(args: argparse.Namespace) -> dict[str, Any]:
