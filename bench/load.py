@@ -272,6 +272,9 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
     # steady state: batches sent after WARMUP_S, once every agent's run exists with its tensor table
     steady, first = lat[sent >= sent.min() + WARMUP_S] if lat.size else lat, lat[is_first]
     ms = [d for d, _ in decisions if d is not None]
+    if os.environ.get("FP8GUARD_LOAD_TRACE"):  # every answer: seconds since the start, latency ms
+        Path(os.environ["FP8GUARD_LOAD_TRACE"]).write_text(json.dumps(
+            [[round(t - sent.min(), 4), round(x, 2)] for t, x in zip(sent.tolist(), lat.tolist(), strict=True)]))
     return {
         "database": args.database, "agents": args.agents, "rate": args.rate, "duration_s": args.duration,
         "tensors": args.tensors, "stats": len(batches.stats), "steps_per_batch": args.steps_per_batch,

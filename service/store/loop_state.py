@@ -32,7 +32,6 @@ from fp8guard.service.store.models import (
     SqlSegment,
     SqlStat,
     SqlStep,
-    SqlTensor,
     SqlTensorSeries,
 )
 from fp8guard.service.store.outbox import OutboxRow, insert_rows
@@ -169,9 +168,8 @@ class LoopTxn:
         return str(row[0]), dict(sql.json_value(self.conn, row[1]) or {}), int(row[2])
 
     def tensors(self) -> list[TensorRow]:
-        t = SqlTensor
-        return [TensorRow(r.name, r.module, r.role, r.fp8_format) for r in self.conn.execute(
-            sa.select(t.name, t.module, t.role, t.fp8_format).where(t.run_pk == self.run_pk).order_by(t.idx))]
+        return [TensorRow(*r) for r in sql.fetch_all(
+            self.conn, "SELECT name, module, role, fp8_format FROM tensors WHERE run_pk = ? ORDER BY idx", (self.run_pk,))]
 
     # -- detector state ------------------------------------------------------------------------
 
