@@ -10,7 +10,6 @@ none, and the next pass judges the batch again.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -173,17 +172,21 @@ class LoopTxn:
 
     # -- detector state ------------------------------------------------------------------------
 
-    def detector_states(self, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
+    def detector_states(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Each rank's detector state as the JSON text stored (the loop compares it with the state
+        it keeps in memory before parsing it)."""
         wanted = set(ranks)
-        return {int(r[0]): dict(sql.json_value(self.conn, r[1])) for r in sql.fetch_all(
-            self.conn, "SELECT rank, state FROM detector_states WHERE run_pk = ?", (self.run_pk,)) if r[0] in wanted}
+        cast = "state::text" if self.conn.dialect.name == "postgresql" else "state"
+        return {int(r[0]): str(r[1]) for r in sql.fetch_all(
+            self.conn, f"SELECT rank, {cast} FROM detector_states WHERE run_pk = ?", (self.run_pk,)) if r[0] in wanted}
 
-    def save_detector_state(self, rank: int, state: dict[str, Any], last_step: int) -> None:
+    def save_detector_state(self, rank: int, state: str, last_step: int) -> None:
+        """``state``: JSON text, stored verbatim (a json column, not jsonb: read back as written)."""
         # An upsert: a run's first batches may be judged in one pass or several, by any process.
         sql.run(self.conn, "INSERT INTO detector_states (run_pk, rank, state, last_step, updated_at) "
                            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_pk, rank) DO UPDATE SET state = excluded.state, "
                            "last_step = excluded.last_step, updated_at = excluded.updated_at",
-                (self.run_pk, rank, json.dumps(state, allow_nan=False), last_step, sql.timestamp(self.conn, self.now)))
+                (self.run_pk, rank, state, last_step, sql.timestamp(self.conn, self.now)))
 
     # -- findings, checkpoints, decisions -------------------------------------------------------
 
