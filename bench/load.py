@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -231,33 +232,79 @@ def _cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def _lag_probe(lags: list[float], stop: asyncio.Event) -> None:
+    """How late this process's event loop wakes a 5 ms sleep: the load generator's own delay,
+    which every latency it measures includes."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.005)
+        lags.append((time.perf_counter() - t - 0.005) * 1e3)
+
+
+async def _server_histogram(client: httpx.AsyncClient) -> dict[float, float]:
+    """The service's own latency histogram of ``/v1/ingest`` (cumulative counts by bucket bound)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("fp8guard_http_request_duration_seconds_bucket{") and 'route="/v1/ingest"' in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[math.inf if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _within(before: dict[float, float], after: dict[float, float]) -> dict[str, float] | None:
+    """Share of the ingest answers the service itself timed within each bucket bound (ms)."""
+    total = after.get(math.inf, 0.0) - before.get(math.inf, 0.0)
+    if not total:
+        return None
+    return {f"{le * 1e3:g}": round((n - before.get(le, 0.0)) / total, 4) for le, n in sorted(after.items())
+            if 0.05 <= le <= 0.5}
+
+
 async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | None = None,
                 server_pid: int | None = None) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:6]
     batches = Batches(args.tensors, args.stats, args.steps_per_batch)
-    conns = args.agents + 2 * args.decisions + 4
-    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     agent = {"authorization": f"Bearer {tokens['ingest']}"} if tokens else {}
     admin = {"authorization": f"Bearer {tokens['admin']}"} if tokens else {}
-    async with httpx.AsyncClient(base_url=base, timeout=30.0, limits=limits, headers=agent) as client, \
-            httpx.AsyncClient(base_url=base, timeout=30.0, headers=admin) as reader:
+
+    def connection(n: int = 1) -> httpx.AsyncClient:
+        # One client per agent, as in production: a single pool of 50+ connections cost the load
+        # generator as much CPU per batch as the service (httpcore scans its whole pool per request)
+        return httpx.AsyncClient(base_url=base, timeout=30.0, headers=agent,
+                                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(connection()) for _ in range(args.agents)]
+        probers = [await stack.enter_async_context(connection(2)) for _ in range(args.decisions)]
+        reader = await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=30.0, headers=admin))
         runs = [f"load-{tag}-{i}" for i in range(args.agents)]
-        registered = await asyncio.gather(*(client.put(f"/v1/runs/{run}", json={"model": "load"})
-                                            for run in runs))
+        registered = await asyncio.gather(*(c.put(f"/v1/runs/{run}", json={"model": "load"})
+                                            for c, run in zip(clients, runs, strict=True)))
         for r in registered:
             r.raise_for_status()
         tally, probe_tally = Tally(), Tally()
-        cpu_start = _cpu_s(server_pid)
+        hist_start = await _server_histogram(reader)
+        lags: list[float] = []
+        stop = asyncio.Event()
+        lag_task = asyncio.create_task(_lag_probe(lags, stop))
+        cpu_start, client_cpu_start = _cpu_s(server_pid), time.process_time()
         t_start = time.monotonic() + 0.05
         t_end = t_start + args.duration
-        probes = [asyncio.create_task(_probe(client, batches, probe_tally, f"probe-{i}-{tag}",
+        probes = [asyncio.create_task(_probe(probers[i], batches, probe_tally, f"probe-{i}-{tag}",
                                              t_start + args.duration * (i + 0.5) / args.decisions))
                   for i in range(args.decisions)]
-        counts = await asyncio.gather(*(_agent(client, batches, tally, run, args.rate, t_start, t_end)
-                                        for run in runs))
+        counts = await asyncio.gather(*(_agent(c, batches, tally, run, args.rate, t_start, t_end)
+                                        for c, run in zip(clients, runs, strict=True)))
         wall = time.monotonic() - t_start
         decisions = await asyncio.gather(*probes)
-        server_cpu = _cpu_s(server_pid) - cpu_start
+        server_cpu, client_cpu = _cpu_s(server_pid) - cpu_start, time.process_time() - client_cpu_start
+        stop.set()
+        await lag_task
+        hist_end = await _server_histogram(reader)
         acked = {**tally.acked, **probe_tally.acked}
         stored = await asyncio.gather(*(_stored(reader, run) for run in acked))
     mismatched = []
@@ -292,6 +339,13 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         # the service process's CPU time over the load (all its threads), per batch answered
         "server_cpu_ms_per_batch": round(server_cpu * 1e3 / max(1, len(tally.latencies)), 2)
         if server_pid is not None else None,
+        # the load generator's own CPU per batch and how late its event loop ran: on a shared
+        # machine its delays are part of every latency above
+        "client_cpu_ms_per_batch": round(client_cpu * 1e3 / max(1, len(tally.latencies)), 2),
+        "client_loop_lag_ms": {"p99": round(float(np.percentile(lags, 99)), 1) if lags else None,
+                               "max": round(max(lags), 1) if lags else None},
+        # the service's own timing of /v1/ingest (its latency histogram): share answered within N ms
+        "server_within_ms": _within(hist_start, hist_end),
         "errors": tally.errors,
         "error_examples": tally.examples + probe_tally.examples[:3 - len(tally.examples)],
         "stored_equals_acked": not mismatched and bool(acked), "mismatches": mismatched[:3],
