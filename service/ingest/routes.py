@@ -34,7 +34,7 @@ _INLINE_PARSE_BYTES = 1 << 20
 """Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in
 a worker thread, so one big batch never stalls the other requests."""
 
-_CREDENTIALS = [{"HTTPBearer": []}, {"APIKeyCookie": []}]
+_CREDENTIALS: list[dict[str, list[str]]] = [{"HTTPBearer": []}, {"APIKeyCookie": []}]
 """The credentials ``/v1/ingest`` takes, as the routes with an access dependency document them."""
 
 _BODY_DOC = {
