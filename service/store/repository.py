@@ -4,8 +4,10 @@ detection and policy live in ``service/loop``, which reads and writes through ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -61,6 +63,11 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cache = writer.WriteCache()
+        self._writing: contextlib.AbstractContextManager[Any] = threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        """SQLite has one write lock per database, and a connection that finds it taken sleeps and
+        retries (1, 2, 5, ... up to 100 ms between tries): the ingest writer and the loop threads
+        missed each other's commits by tens of milliseconds, hundreds under load. They queue on
+        this lock instead, handed over at once; other processes still wait on SQLite's."""
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -213,7 +220,7 @@ class Store:
         if len(batches) > 1:
             txn = self._cache.begin()
             try:
-                with self._session() as s:
+                with self._writing, self._session() as s:
                     conn = s.connection()
                     results = {i: self._write(conn, batches[i], now, txn) for i in order}
                 self._cache.publish(txn)
@@ -224,7 +231,7 @@ class Store:
         for batch in batches:
             txn = self._cache.begin()
             try:
-                with self._session() as s:
+                with self._writing, self._session() as s:
                     result = self._write(s.connection(), batch, now, txn)
                 self._cache.publish(txn)
                 out.append(result)
@@ -248,7 +255,7 @@ class Store:
 
     def loop_pass(self, run_pk: int, judge: Callable[[LoopTxn], T]) -> T:
         """Run ``judge`` on the run's loop state in one transaction, under the run's loop lock."""
-        with self._session() as s:
+        with self._writing, self._session() as s:
             txn = LoopTxn(s.connection(), run_pk, datetime.now(UTC))
             txn.lock()
             return judge(txn)
@@ -260,7 +267,7 @@ class Store:
 
     def drop_queued(self, queue_ids: Sequence[int]) -> None:
         """Give up on queued batches the loop cannot judge (logged by the caller)."""
-        with self._session() as s:
+        with self._writing, self._session() as s:
             s.execute(sa.delete(SqlLoopQueue).where(SqlLoopQueue.id.in_(list(queue_ids))))
 
     # -- reads ----------------------------------------------------------------------------

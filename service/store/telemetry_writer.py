@@ -14,6 +14,7 @@ Nothing here decides anything: detection and policy run later, in the loop (``se
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections import OrderedDict
@@ -37,9 +38,6 @@ from fp8guard.service.store.models import (
     SqlEvent,
     SqlLayerPrecision,
     SqlRun,
-    SqlRunRank,
-    SqlSegment,
-    SqlStat,
     SqlTensor,
 )
 from fp8guard.service.store.rollup_writer import SERIES_COLUMNS, RollupTail, merge_rollups, recompute_rollups
@@ -139,7 +137,7 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
 
     progress = _lock_rank(conn, run_pk, batch.rank, now)
     first_step, last_step = _step_range(batch)
-    overlap, extends = _touch_segment(conn, run_pk, batch, first_step, last_step, progress)
+    overlap, extends, fresh = _touch_segment(conn, run_pk, batch, first_step, last_step, progress)
     _define_tensors(conn, run_pk, batch.tensors, first_step if first_step is not None else 0)
     _check_tensor_coverage(conn, run_pk, batch.blocks, cache)
     stat_ids = _stat_ids(conn, run_pk, {name for b in batch.blocks for name in b.stats}, cache)
@@ -147,6 +145,8 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
     tail = cache.tail((run_pk, batch.rank))
     if tail is not None and (tail.batches != progress.batches - 1 or tail.segment != batch.segment):
         tail = None  # another process wrote this rank meanwhile, or a new segment began
+    if fresh:  # a new segment has no roll-up rows yet: nothing to read back
+        tail = RollupTail(batches=progress.batches - 1, segment=batch.segment, last={})
     new_tail = RollupTail(batches=progress.batches, segment=batch.segment, last=dict(tail.last) if tail else {})
     for block in batch.blocks:
         _write_block(conn, run_pk, batch, block, stat_ids, overlap=overlap, tail=tail, new_tail=new_tail)
@@ -186,12 +186,9 @@ def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Pr
     if row is not None:
         return Progress(*row)
     if row is None:
-        conn.execute(
-            upsert_insert(conn)(SqlRunRank)
-            .values(run_pk=run_pk, rank=rank, last_segment=0, batches=0, samples=0, updated_at=now,
-                    last_loss_nan=False)
-            .on_conflict_do_nothing()
-        )
+        sql.run(conn, "INSERT INTO run_ranks (run_pk, rank, last_segment, batches, samples, updated_at, last_loss_nan) "
+                      "VALUES (?, ?, 0, 0, 0, ?, ?) ON CONFLICT DO NOTHING",
+                (run_pk, rank, sql.timestamp(conn, now), False))
         row = sql.fetch_one(conn, bump, args)
     assert row is not None
     return Progress(*row)
@@ -207,45 +204,49 @@ def _step_range(batch: Batch) -> tuple[int | None, int | None]:
 
 def _touch_segment(
     conn: sa.Connection, run_pk: int, batch: Batch, first: int | None, last: int | None, progress: Progress
-) -> tuple[bool, bool]:
-    """Extend the segment's step range; return whether this batch may overwrite stored steps, and
-    whether it comes after every step stored in its segment (the segment's newest rows are its)."""
+) -> tuple[bool, bool, bool]:
+    """Extend the segment's step range; return whether this batch may overwrite stored steps,
+    whether it comes after every step stored in its segment (the segment's newest rows are its),
+    and whether the segment is new (nothing of it is stored yet)."""
     if first is None or last is None:
-        return False, False
-    key = (SqlSegment.run_pk == run_pk) & (SqlSegment.rank == batch.rank) & (SqlSegment.segment == batch.segment)
+        return False, False, False
+    key = (run_pk, batch.rank, batch.segment)
     if batch.segment == progress.last_segment and progress.last_step is not None and first > progress.last_step:
         # The common case, a batch continuing the current segment: one UPDATE, no read.
-        sql.run(conn, "UPDATE segments SET last_step = ? WHERE run_pk = ? AND rank = ? AND segment = ?",
-                (last, run_pk, batch.rank, batch.segment))
-        return False, True
-    row = conn.execute(sa.select(SqlSegment.first_step, SqlSegment.last_step).where(key)).one_or_none()
+        sql.run(conn, "UPDATE segments SET last_step = ? WHERE run_pk = ? AND rank = ? AND segment = ?", (last, *key))
+        return False, True, False
+    row = sql.fetch_one(conn, "SELECT first_step, last_step FROM segments WHERE run_pk = ? AND rank = ? AND segment = ?",
+                        key)
     if row is None:
-        conn.execute(sa.insert(SqlSegment).values(run_pk=run_pk, rank=batch.rank, segment=batch.segment,
-                                                  first_step=first, last_step=last))
-        return False, True
-    conn.execute(sa.update(SqlSegment).where(key).values(first_step=min(row.first_step, first),
-                                                         last_step=max(row.last_step, last)))
-    return bool(first <= row.last_step and last >= row.first_step), bool(first > row.last_step)
+        sql.run(conn, "INSERT INTO segments (run_pk, rank, segment, first_step, last_step) VALUES (?, ?, ?, ?, ?)",
+                (*key, first, last))
+        return False, True, True
+    stored_first, stored_last = int(row[0]), int(row[1])
+    sql.run(conn, "UPDATE segments SET first_step = ?, last_step = ? WHERE run_pk = ? AND rank = ? AND segment = ?",
+            (min(stored_first, first), max(stored_last, last), *key))
+    return bool(first <= stored_last and last >= stored_first), bool(first > stored_last), False
 
 
 def _define_tensors(conn: sa.Connection, run_pk: int, tensors: Sequence[TensorInfo], first_step: int) -> None:
     if not tensors:
         return
-    rows = [
-        {"run_pk": run_pk, "idx": t.index, "name": t.name, "module": t.module, "role": t.role,
-         "fp8_format": t.fp8_format, "first_step": first_step}
-        for t in tensors
-    ]
-    # ON CONFLICT DO NOTHING, then read back: two ranks may define the same table at once.
-    conn.execute(upsert_insert(conn)(SqlTensor).on_conflict_do_nothing(), rows)
-    stored = {
-        int(r.idx): str(r.name)
-        for r in conn.execute(
-            sa.select(SqlTensor.idx, SqlTensor.name).where(
-                SqlTensor.run_pk == run_pk, SqlTensor.idx.in_([t.index for t in tensors])
-            )
-        )
-    }
+    # ON CONFLICT DO NOTHING, then read back: two ranks may define the same table at once. A run's
+    # first batch carries its whole table (hundreds of rows): one statement on PostgreSQL, its rows
+    # in one JSON parameter (a row per statement, or arrays, cost 5-30 ms of Python per table);
+    # the read-back asks for the index range, a constant statement.
+    if conn.dialect.name == "postgresql":
+        rows = json.dumps([[t.index, t.name, t.module, t.role, t.fp8_format] for t in tensors])
+        sql.run(conn, "INSERT INTO tensors (run_pk, idx, name, module, role, fp8_format, first_step) "
+                      "SELECT ?, (r->>0)::int, r->>1, r->>2, r->>3, r->>4, ? FROM json_array_elements(?::json) AS r "
+                      "ON CONFLICT DO NOTHING", (run_pk, first_step, rows))
+    else:
+        sql.run_many(conn, "INSERT INTO tensors (run_pk, idx, name, module, role, fp8_format, first_step) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                     [(run_pk, t.index, t.name, t.module, t.role, t.fp8_format, first_step) for t in tensors])
+    wanted = {t.index for t in tensors}
+    stored = {int(i): str(n) for i, n in sql.fetch_all(
+        conn, "SELECT idx, name FROM tensors WHERE run_pk = ? AND idx BETWEEN ? AND ?",
+        (run_pk, min(wanted), max(wanted))) if i in wanted}
     for pos, t in enumerate(tensors):
         have = stored.get(t.index)
         if have != t.name:
@@ -278,13 +279,11 @@ def _stat_ids(conn: sa.Connection, run_pk: int, names: Iterable[str], cache: Cac
     known = {n: cache.stat_ids[(run_pk, n)] for n in names if (run_pk, n) in cache.stat_ids}
     if len(known) == len(names):
         return known
-    conn.execute(upsert_insert(conn)(SqlStat).on_conflict_do_nothing(), [{"run_pk": run_pk, "name": n} for n in names])
-    ids = {
-        str(r.name): int(r.id)
-        for r in conn.execute(
-            sa.select(SqlStat.name, SqlStat.id).where(SqlStat.run_pk == run_pk, SqlStat.name.in_(names))
-        )
-    }
+    sql.run_many(conn, "INSERT INTO stats (run_pk, name) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                 [(run_pk, n) for n in names])
+    wanted = set(names)
+    ids = {str(n): int(i) for n, i in sql.fetch_all(conn, "SELECT name, id FROM stats WHERE run_pk = ?", (run_pk,))
+           if n in wanted}
     cache.pending.extend(("stat_ids", (run_pk, n), i) for n, i in ids.items())
     return ids
 
