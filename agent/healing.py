@@ -28,8 +28,8 @@ and where a rollback takes effect:
   ``HealConfig(lr_schedule_hook=...)`` for schedulers that keep it elsewhere).
 
 How the data goes back (:class:`Batches`): an object with ``state_dict``/``load_state_dict``
-(torchdata's ``StatefulDataLoader``, or your own) is saved and restored through them; any other
-re-iterable (a list, a ``DataLoader``) is iterated again from the start of the epoch and the
+(torchdata's ``StatefulDataLoader``, or your own) whose ``state_dict()`` answers is saved and
+restored through them; any other re-iterable (a list, a ``DataLoader``) is iterated again from the start of the epoch and the
 batches before the position are drawn and dropped, with the global torch RNG as it was when the
 epoch began (so a shuffling ``DataLoader`` without a ``generator`` replays the same order); a
 one-shot iterator (a generator) cannot go back: the batches the rollback abandoned are not seen
@@ -228,6 +228,23 @@ def plain_batches(data: Iterable[T], *, epochs: int | None, steps: int | None, m
         yield batch
 
 
+def _gives_state(data: object) -> bool:
+    """Whether ``data`` saves and restores its own position: it has ``state_dict`` and
+    ``load_state_dict``, and ``state_dict()`` answers when tried, once, here. (An Accelerate
+    DataLoader prepared without ``use_stateful_dataloader=True`` has both methods, but its
+    ``state_dict()`` raises AttributeError.) Otherwise the data is replayed from its epoch's start."""
+    state_dict = getattr(data, "state_dict", None)
+    if not (callable(state_dict) and callable(getattr(data, "load_state_dict", None))):
+        return False
+    try:
+        state_dict()
+    except Exception as exc:
+        log.info("fp8guard: %s.state_dict() failed (%s: %s); a rollback replays its epoch from the start instead",
+                 type(data).__name__, type(exc).__name__, exc)
+        return False
+    return True
+
+
 class Batches(Generic[T]):
     """A position in a stream of batches that a checkpoint can save and a rollback can move
     back (see the module docstring for the three kinds of data). ``position`` is the index of
@@ -243,7 +260,7 @@ class Batches(Generic[T]):
             raise ConfigError(f"monitor.batches() needs an iterable of batches, got {type(data).__name__}")
         self.data = data
         self.epochs = epochs
-        self.stateful = callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))
+        self.stateful = _gives_state(data)
         self.one_shot = isinstance(data, Iterator) and not self.stateful
         self.position = 0
         self.done = False

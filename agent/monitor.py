@@ -19,40 +19,40 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fp8guard import wire
+from fp8guard.agent.batch_payload import encode_flush
 from fp8guard.agent.checkpoint import Stateful
+from fp8guard.agent.command_desk import CommandDesk
 from fp8guard.agent.command_listener import CommandListener
-from fp8guard.agent.commands import AckStatus, Command, CommandHandler, Outcome, parse_command
+from fp8guard.agent.commands import Command, CommandHandler
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.harm import HarmProbe, LossFn
 from fp8guard.agent.healing import HealConfig, Healer, plain_batches
 from fp8guard.agent.shipper import Shipper
+from fp8guard.agent.source_steps import SourceSteps
 from fp8guard.agent.sources import discover_sources
-from fp8guard.agent.sources.base import COUNT_STATS, STATS, ProbeableSource, Source, TensorSpec
+from fp8guard.agent.sources.base import ProbeableSource, Source, TensorSpec
 from fp8guard.agent.telemetry import (
     FP8_LOSS_GAP,
     GRAD_NORM,
     LOSS,
     LOSS_FP8,
-    FlushPacket,
     GradNorm,
     StepRing,
     norm_of_grads,
 )
 from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
 from fp8guard.agent.tripwire import Tripwire
+from fp8guard.agent.urgency import CommandBoundary
 
 __all__ = ["Monitor", "device_grad_norm"]
 
@@ -60,15 +60,9 @@ log = logging.getLogger("fp8guard.agent")
 
 T = TypeVar("T")
 
-_STALE_CHECK_STEPS = 10
-"""After this many ``step`` calls, ask each source once whether its FP8 state ever changed
-(``stale_reason``, host only) and warn loudly if not: silent zeros are worse than no data."""
-
 _TENSOR_TABLE_EVERY = 20
 """Re-send the tensor table every this many batches, so a service that lost its database
 relearns it instead of refusing the run's statistics forever."""
-_MAX_UNANSWERED_WAITS = 3
-"""Tripwire waits in a row without a decision after which a persisting trip only ships."""
 
 
 class Monitor:
@@ -92,30 +86,11 @@ class Monitor:
         self._batches = 0
         self._next_step = 0
         self._last_flush = time.monotonic()
-        self._counting = False
-        self._inbox: deque[Command] = deque()
-        self._tripwire: Tripwire | None = None
+        self._steps = SourceSteps([])
+        self._desk = CommandDesk(self.event)
+        self._boundary = CommandBoundary(self, None)
         self._harm: HarmProbe | None = None
-        self._probe_now = False
-        """The tripwire fired: run the harm probe at this step, due or not."""
         self._listener: CommandListener | None = None
-        self._urgent_until: int | None = None
-        """After the tripwire fired: check commands at every step boundary up to this step."""
-        self._urgent_waited = False
-        self._unanswered_waits = 0
-        """Waits for a decision in a row that no command answered: a trip that persists (a level
-        shift the service does not call an incident) stops costing ``tripwire_wait_s`` per step
-        after ``_MAX_UNANSWERED_WAITS`` of them."""
-        self._tick = 0
-        """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
-        (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
-        self._extra_broadcast_tick: int | None = None
-        """The last boundary at which every rank entered a tripwire's extra command broadcast."""
-        self.tripwire_broadcasts = 0
-        """Extra command broadcasts entered after the tripwire fired (none in a healthy run)."""
-        self._applied_ids: set[int] = set()
-        self._step_calls = 0
-        self._end_failed: set[str] = set()
         self.handler: CommandHandler | None = None
         """Applies the service's commands (``attach(handler=...)``, or the Healer of ``heal=``)."""
         self._healer: Healer | None = None
@@ -155,6 +130,7 @@ class Monitor:
         self.rank, self.world_size = rank_and_world()
         self.run_id = shared_run_id(cfg.run_id)
         self._sources = discover_sources(model, cfg.sources)
+        self._steps = SourceSteps(self._sources)
         self.reporting = self._decide_reporting()
         self._specs = [spec for src in self._sources for spec in src.tensors()]
         start = 0
@@ -181,7 +157,7 @@ class Monitor:
         if cfg.tripwire and (self.reporting or self.world_size > 1):
             # Under torch.distributed every rank keeps one, reporting or not: all of them must
             # read the same verdict at the same boundary to enter the extra broadcast together.
-            self._tripwire = Tripwire(device, loss_factor=cfg.tripwire_loss_factor,
+            self._boundary.tripwire = Tripwire(device, loss_factor=cfg.tripwire_loss_factor,
                                       grad_factor=cfg.tripwire_grad_factor, saturation=cfg.tripwire_saturation,
                                       warmup_steps=cfg.tripwire_warmup_steps, lag_steps=cfg.tripwire_lag_steps,
                                       all_reduce=cfg.tripwire_all_reduce and self.world_size > 1,
@@ -192,8 +168,8 @@ class Monitor:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
             if cfg.tripwire and cfg.url is not None and self._transport is None:
-                self._listener = CommandListener(cfg.url, self.run_id, self.receive_commands, timeout_s=cfg.timeout_s,
-                                                 token=cfg.token)
+                self._listener = CommandListener(cfg.url, self.run_id, self.receive_commands,
+                                                 timeout_s=cfg.timeout_s, token=cfg.token)
             self.event(wire.EventKind.RUN_STARTED, step=self._next_step, data={
                 "rank": self.rank, "world_size": self.world_size, "sources": [s.kind for s in self._sources],
                 "tensors": len(self._specs)})
@@ -256,184 +232,33 @@ class Monitor:
         if not self._attached:
             raise ConfigError("call Monitor.attach(model, optimizer) before Monitor.step()")
         current = self._next_step if step is None else step
-        self._end_fp8_step()
+        self._steps.end_step()
         if self._closed:
             return
         if self._broken or not self.reporting:
             self._next_step = current + 1
         else:
             try:
-                self._answer_tripwire(current)
+                self._boundary.answer_tripwire(current)
                 self._record(loss, grad_norm, lr, tokens, step, self._probe(current, loss_fn))
             except Exception:  # monitoring must never take training down
                 self._broken = True
                 log.exception("fp8guard: monitoring failed and is now off for this run; training continues")
                 self._next_step = current + 1
-                self._stop_counting()
+                self._steps.stop_counting()
         if self.handler is not None:  # the one caller of on_step: e.g. ends a lowered-LR window
             try:
                 self.handler.on_step(current)
             except Exception:
                 log.exception("fp8guard: the command handler's on_step failed")
-        self._command_boundary(current, grad_norm)
-
-    def _end_fp8_step(self) -> None:
-        """Close the step in sources whose library needs it (the emulation's scale update when the
-        loop has no ``fp8.update()``): training numerics, so on every rank, reporting or not;
-        once after ``_STALE_CHECK_STEPS`` calls, warn about a source whose state never changed."""
-        for src in self._sources:
-            end = getattr(src, "end_step", None)
-            if end is not None and src.kind not in self._end_failed:
-                try:
-                    end()
-                except Exception:
-                    self._end_failed.add(src.kind)
-                    log.exception("fp8guard: closing the FP8 step in the %s source failed; not tried again", src.kind)
-        self._step_calls += 1
-        if self._step_calls == _STALE_CHECK_STEPS:
-            for src in self._sources:
-                reason = getattr(src, "stale_reason", None)
-                message = reason() if reason is not None else None
-                if message:
-                    log.warning("%s", message)
-                    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    # -- the tripwire ---------------------------------------------------------------------------
-
-    def _answer_tripwire(self, current: int) -> None:
-        """If an earlier step's device check has completed and fired (``Tripwire.peek``, no
-        wait): ship everything now and listen for the decision. Rank-local work only: ranks see
-        a check complete at different steps, so no collective may hang on this; the boundary
-        where every rank acts on a verdict together is ``_tripwire_due``'s."""
-        if self._tripwire is None:
-            return
-        # one process consumes what it read (nothing waits for the lagged read); ranks keep their
-        # verdicts for ``due``
-        fired = self._tripwire.fired() if self.world_size == 1 else self._tripwire.peek()
-        if fired is None:
-            return
-        log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
-        self._hurry(current)
-        # Does the anomaly cost the loss? Probe this step (one process: a rank-local trip must
-        # not start forwards that other ranks of a sharded model would not join).
-        self._probe_now = self.world_size == 1
-
-    def _hurry(self, current: int) -> None:
-        """Ship what is recorded now and listen for the decision (a tripped tripwire, a measured
-        harm); this rank's work only."""
-        self._flush()
-        self._urgent_until = current + self.config.command_check_interval_steps
-        self._urgent_waited = False
-        if self._listener is not None:
-            self._listener.listen(30.0, after=max(self._applied_ids, default=0))
-
-    def _command_boundary(self, current: int, grad_norm: torch.Tensor | float | None) -> None:
-        """The end of every ``step`` call, on every rank, whatever it reports: commands apply here.
-
-        Under torch.distributed a broadcast is entered by all ranks or by none, and the branch
-        taken depends only on what is the same on every rank: the step call count (every
-        ``command_check_interval_steps``) and the tripwire's verdict due at this boundary (read
-        at a fixed lag, ``Tripwire.due``). A single process applies what has arrived at once."""
-        every_n = (current + 1) % self.config.command_check_interval_steps == 0
-        extra = self._tripwire_due(self._tick, current, grad_norm)
-        self._tick += 1
-        if extra:
-            # Rank 0's inbox is what the broadcast sends: give the decision its moment to arrive
-            # (the other ranks wait in the broadcast meanwhile).
-            self._await_decision()
-            if not every_n:
-                self.tripwire_broadcasts += 1
-        if every_n or extra:
-            # Every rank reaches this at the same step: the broadcast in _check_commands must be
-            # entered by all of them.
-            self._check_commands(current)
-        elif self.world_size == 1 and self._urgent_until is not None:
-            self._urgent_check(current)
-        elif self.world_size == 1 and self._inbox:
-            # One process needs no broadcast: a command that has arrived applies at this step.
-            self._check_commands(current)
-
-    def _tripwire_due(self, tick: int, current: int, grad_norm: torch.Tensor | float | None) -> bool:
-        """Read the verdict due at boundary ``tick``; True when every rank is to enter an extra
-        command broadcast now (under torch.distributed, the shared bit fired, and no extra
-        broadcast in the last ``command_check_interval_steps`` boundaries: a run that keeps
-        tripping is answered at the every-N broadcasts, never held up at each step).
-
-        A verdict that no peek saw (the host ran ahead of the device) makes this rank hurry now;
-        a single process then applies the decision at this boundary."""
-        trip = self._tripwire
-        if trip is None or self.world_size == 1:
-            # One process needs no agreement: ``peek`` (never waits) answers it. The lagged read
-            # would cap how far the host runs ahead of the device at every step (on the H200 a
-            # torchao loop's monitor.step waited 255 ms there).
-            return False
-        try:
-            if self.world_size > 1 and not trip.checked(tick):
-                # A rank that does not report (or whose monitoring broke) still checks the shared
-                # quantity, so that its verdicts stay the other ranks' verdicts.
-                trip.check(current, tick=tick, loss=None, grad_norm=self._shared_grad_norm(grad_norm, trip.device),
-                           saturation=None)
-            verdict = trip.due(tick)
-        except Exception:
-            self._tripwire = None
-            log.exception("fp8guard: the tripwire failed and is now off on this rank; training continues")
-            return False
-        if verdict is None or not verdict.fired:
-            return False
-        if not verdict.peeked:
-            log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", verdict.step)
-            if self.reporting and not self._broken:
-                try:
-                    self._hurry(current)
-                except Exception:
-                    log.exception("fp8guard: shipping after the tripwire failed")
-        if self.world_size == 1 or not verdict.shared:
-            return False
-        last = self._extra_broadcast_tick
-        if last is not None and tick - last < self.config.command_check_interval_steps:
-            return False
-        self._extra_broadcast_tick = tick
-        return True
-
-    def _shared_grad_norm(self, grad_norm: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:
-        """The gradient norm as ``_record`` gives it to the tripwire (float32 on the device), for
-        ranks that do not record."""
-        if grad_norm is None:
-            return self._device_grad_norm() if self.config.compute_grad_norm else None
-        if isinstance(grad_norm, torch.Tensor):
-            return grad_norm.detach().reshape(()).to(device=device, dtype=torch.float32, non_blocking=True)
-        return torch.full((), float(grad_norm), dtype=torch.float32, device=device)
-
-    def _await_decision(self) -> None:
-        """On rank 0 (or alone), wait up to ``tripwire_wait_s`` for a command to arrive; only at
-        a boundary where the tripwire's verdict is due and fired, never in a healthy run."""
-        if self.rank != 0 or self.config.tripwire_wait_s <= 0:
-            return
-        deadline = time.monotonic() + self.config.tripwire_wait_s
-        while not self._inbox and time.monotonic() < deadline:
-            time.sleep(0.002)
-
-    def _urgent_check(self, current: int) -> None:
-        assert self._urgent_until is not None
-        if (not self._inbox and not self._urgent_waited and self.config.tripwire_wait_s > 0
-                and self._unanswered_waits < _MAX_UNANSWERED_WAITS):
-            # Only after the tripwire fired, once: the decision is usually tens of ms away.
-            self._urgent_waited = True
-            deadline = time.monotonic() + self.config.tripwire_wait_s
-            while not self._inbox and time.monotonic() < deadline:
-                time.sleep(0.002)
-            self._unanswered_waits = 0 if self._inbox else self._unanswered_waits + 1
-        applied = len(self._applied_ids)
-        self._check_commands(current)
-        if len(self._applied_ids) > applied or current >= self._urgent_until:
-            self._urgent_until = None
+        self._boundary.close_step(current, grad_norm)
 
     def _probe(self, current: int, loss_fn: LossFn | None) -> torch.Tensor | None:
         """The harm probe's work at this step (``HarmProbe.on_step``); its own failures switch
         the probe off, never the monitor."""
         if self._harm is None or loss_fn is None:
             return None
-        force, self._probe_now = self._probe_now, False
+        force, self._boundary.probe_now = self._boundary.probe_now, False
         try:
             done = self._harm.on_step(current, loss_fn, alone=self.world_size == 1, force=force)
         except Exception:
@@ -443,7 +268,7 @@ class Monitor:
         for kind, data in done.events:
             self.event(kind, step=current, data=data)
         if done.hurry:
-            self._hurry(current)
+            self._boundary.hurry(current)
         return done.measured
 
     def _record(self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | float | None,
@@ -461,7 +286,7 @@ class Monitor:
             _put(ring.scalars[i, GRAD_NORM], grad_norm)
         for src, sl in zip(self._sources, self._slices, strict=True):
             src.read(ring.stats[i, :, sl])
-        if self._counting:
+        if self._steps.counting:
             j = len(ring.count_steps)
             for src, sl in zip(self._sources, self._slices, strict=True):
                 if src.supports_counts:
@@ -469,8 +294,9 @@ class Monitor:
             ring.count_steps.append(current)
         if lr is None and self._optimizer is not None and self._optimizer.param_groups:
             lr = self._optimizer.param_groups[0].get("lr")
-        if self._tripwire is not None:
-            self._tripwire.check(current, tick=self._tick, loss=ring.scalars[i, LOSS] if loss is not None else None,
+        tripwire = self._boundary.tripwire
+        if tripwire is not None:
+            tripwire.check(current, tick=self._boundary.tick, loss=ring.scalars[i, LOSS] if loss is not None else None,
                                  grad_norm=ring.scalars[i, GRAD_NORM] if grad_norm is not None else None,
                                  saturation=ring.saturation(i) if self._specs else None)
         if probe is not None:
@@ -487,80 +313,30 @@ class Monitor:
     def receive_commands(self, commands: Iterable[Mapping[str, Any] | Command]) -> None:
         """Queue commands from the service (called by the transport's thread, or by tests);
         raw JSON is validated here, at the boundary, and a malformed command is logged and dropped."""
-        for raw in commands:
-            if isinstance(raw, Command):
-                self._inbox.append(raw)
-                continue
-            try:
-                self._inbox.append(parse_command(raw))
-            except ValueError as exc:
-                log.error("fp8guard: ignoring a malformed command from the service: %s", exc)
+        self._desk.receive(commands)
 
     def _check_commands(self, step: int) -> None:
-        commands: list[Command] = []
-        while self._inbox:
-            commands.append(self._inbox.popleft())
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            # sync point (intended, every command_check_interval_steps): rank 0 tells every rank
-            # what to apply, so all of them act at this same step.
-            box: list[Any] = [commands if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            commands = list(box[0] or [])
-        if commands and self._tripwire is not None:
+        commands = self._desk.take(rank=self.rank, world_size=self.world_size)
+        if commands and self._boundary.tripwire is not None:
             # Pending verdicts describe the state before these commands (a rollback abandons it):
             # every rank drops them at this same boundary, so their due reads stay in agreement.
-            self._tripwire.discard()
+            self._boundary.tripwire.discard()
         for command in commands:
-            self._apply(command, step)
-
-    def _apply(self, command: Command, step: int) -> None:
-        if command.id in self._applied_ids:
-            return  # delivered again (a retried ingest answer, a restarted service): apply once
-        self._applied_ids.add(command.id)
-        if self.handler is None:
-            outcome = Outcome(AckStatus.IGNORED, error="no command handler: Monitor.attach(..., heal=HealConfig(...)) "
-                                                       "or handler=")
-        else:
-            try:
-                outcome = self.handler.apply(command, step=step)
-            except Exception as exc:  # a failed remediation is reported, never raised into training
-                log.exception("fp8guard: applying command %s (%s) failed", command.id, command.kind)
-                outcome = Outcome(AckStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
-        if outcome.status == "applied":
-            log.warning("fp8guard: applied %s at step %d: %s", command.kind, step, command.reason)
-        ack = wire.CommandAck(command_id=command.id, status=outcome.status, applied_step=step, error=outcome.error)
-        self.event(wire.EventKind.COMMAND_ACKNOWLEDGED, step=step,
-                   data={**outcome.details, "kind": str(command.kind), **ack.to_json()})
-        if outcome.status is wire.AckStatus.APPLIED:
-            kind = {"fallback": wire.EventKind.FALLBACK_APPLIED, "promote": wire.EventKind.PROMOTION_APPLIED,
-                    "rollback": wire.EventKind.ROLLBACK_APPLIED}[command.kind]
-            self.event(kind, step=step, data={"command_id": command.id,
-                                              "modules": list(command.modules) if command.modules else None,
-                                              "checkpoint_step": command.checkpoint_step, **outcome.details})
-        if outcome.resume_step is not None:
-            # Telemetry recorded so far belongs to the abandoned stretch: ship it under the old
-            # segment, then continue in a new one from the restored step.
-            if self.reporting and not self._broken:
-                self._flush()
-            self.segment += 1
-            self._next_step = outcome.resume_step
-            self._arm_counts_for(self._next_step)
+            resume_step = self._desk.apply(command, step, self.handler)
+            if resume_step is not None:
+                # Telemetry recorded so far belongs to the abandoned stretch: ship it under the old
+                # segment, then continue in a new one from the restored step.
+                if self.reporting and not self._broken:
+                    self._flush()
+                self.segment += 1
+                self._next_step = resume_step
+                self._arm_counts_for(self._next_step)
 
     def _device_grad_norm(self) -> torch.Tensor | None:
         return self._grad_norm() if self._grad_norm is not None else None
 
     def _arm_counts_for(self, step: int) -> None:
-        every = self.config.count_interval_steps
-        for src in self._sources:
-            prepare = getattr(src, "prepare_step", None)
-            if prepare is not None:  # sources that must know the cadence ahead (TE's inspection API)
-                prepare(step, every if self.reporting else 0)
-        want = every > 0 and step % every == 0 and self.reporting
-        if want != self._counting:
-            for src in self._sources:
-                if src.supports_counts:
-                    src.arm_counts(want)
-            self._counting = want
+        self._steps.arm_counts_for(step, every=self.config.count_interval_steps, reporting=self.reporting)
 
     def set_count_interval(self, steps: int) -> None:
         """Change the exact-count cadence from the next step on (0 turns counting off), e.g. count
@@ -570,18 +346,6 @@ class Monitor:
         self.config.count_interval_steps = int(steps)
         if self._attached and not self._closed and not self._broken:
             self._arm_counts_for(self._next_step)
-
-    def _stop_counting(self) -> None:
-        for src in self._sources:
-            try:
-                if src.supports_counts:
-                    src.arm_counts(False)
-                stop = getattr(src, "stop_counting", None)
-                if stop is not None:
-                    stop()
-            except Exception:
-                log.exception("fp8guard: could not switch counting off in %s", src.kind)
-        self._counting = False
 
     # -- shipping ---------------------------------------------------------------------------------
 
@@ -596,8 +360,8 @@ class Monitor:
         include_table = self._batches % _TENSOR_TABLE_EVERY == 0
         self._batches += 1
         segment, specs, run_id, rank = self.segment, self._specs, self.run_id, self.rank
-        shipper.submit(lambda: _payload(packet, run_id=run_id, rank=rank, segment=segment, specs=specs,
-                                        include_table=include_table),
+        shipper.submit(lambda: encode_flush(packet, run_id=run_id, rank=rank, segment=segment, specs=specs,
+                                            include_table=include_table),
                        steps=len(set(packet.steps) | set(packet.count_steps)))
 
     def event(self, kind: wire.EventKind | str, *, data: dict[str, Any] | None = None, step: int | None = None) -> None:
@@ -632,7 +396,7 @@ class Monitor:
             self._shipper.close(timeout_s)
         if self._listener is not None:
             self._listener.close()
-        self._stop_counting()
+        self._steps.stop_counting()
 
     def __enter__(self) -> Monitor:
         return self
@@ -671,6 +435,16 @@ class Monitor:
                    data={"checkpoint_step": checkpoint_step, "resume_step": self._next_step, "segment": self.segment})
 
     @property
+    def tripwire_broadcasts(self) -> int:
+        """Extra command broadcasts entered after the tripwire fired (none in a healthy run)."""
+        return self._boundary.broadcasts
+
+    @property
+    def _tripwire(self) -> Tripwire | None:
+        """This rank's tripwire (None without one, or after it failed)."""
+        return self._boundary.tripwire
+
+    @property
     def next_step(self) -> int:
         """The step number the next ``step()`` call records (after a rollback: checkpoint + 1)."""
         return self._next_step
@@ -686,12 +460,12 @@ class Monitor:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must carry for a resumed run to continue this one."""
         return {"run_id": self.run_id, "next_step": self._next_step, "segment": self.segment,
-                "applied_commands": sorted(self._applied_ids)}
+                "applied_commands": sorted(self._desk.applied_ids)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._next_step = int(state["next_step"])
         self.segment = int(state["segment"])
-        self._applied_ids |= set(state.get("applied_commands", []))
+        self._desk.applied_ids |= set(state.get("applied_commands", []))
 
 
 def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
@@ -711,25 +485,3 @@ def _put(slot: torch.Tensor, value: torch.Tensor | float) -> None:
         slot.copy_(value.detach().reshape(()), non_blocking=True)
     else:
         slot.fill_(float(value))
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().numpy().astype("<f4", copy=False).tobytes()
-
-
-def _payload(packet: FlushPacket, *, run_id: str, rank: int, segment: int, specs: Iterable[TensorSpec],
-             include_table: bool) -> dict[str, Any]:
-    """Runs on the shipper's thread: waits for the copies, then encodes."""
-    packet.wait()
-    specs = list(specs)
-    blocks = []
-    if specs and packet.steps:
-        blocks.append(wire.tensor_stats_block(stats=STATS, steps=packet.steps, n_tensors=len(specs),
-                                              data=_to_bytes(packet.stats)))
-    if specs and packet.count_steps and packet.counts is not None:
-        blocks.append(wire.tensor_stats_block(stats=COUNT_STATS, steps=packet.count_steps, n_tensors=len(specs),
-                                              data=_to_bytes(packet.counts)))
-    table = [{"index": i, "name": s.name, "module": s.module, "role": s.role, "format": s.fp8_format}
-             for i, s in enumerate(specs)] if include_table else []
-    return wire.make_batch(run_id=run_id, rank=rank, segment=segment, tensors=table,
-                           steps=packet.step_records(), tensor_stats=blocks, events=packet.events)

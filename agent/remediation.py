@@ -70,7 +70,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,6 +80,7 @@ from torch import nn
 from fp8guard.agent.checkpoint import CheckpointManager
 from fp8guard.agent.commands import AckStatus, Command, Outcome
 from fp8guard.agent.errors import CheckpointError, ConfigError
+from fp8guard.agent.lr_window import LrWindow
 from fp8guard.agent.sources import discover_switches
 from fp8guard.agent.sources.base import Source, SwitchableSource
 
@@ -92,17 +93,6 @@ class _Switch:
     kind: str
     names: frozenset[str]
     set_fp8: Callable[[Sequence[str], bool], None]
-
-
-@dataclass(slots=True)
-class _LrWindow:
-    scale: float
-    until: int
-    """First step that runs with the original learning rate again."""
-    groups: list[tuple[Any, Any]] = field(default_factory=list)
-    """(original, written) lr per param group."""
-    base_lrs: list[tuple[Any, Any]] | None = None
-    """(original, written) per entry of the scheduler's base_lrs."""
 
 
 class Remediator:
@@ -140,7 +130,7 @@ class Remediator:
         self._model = model
         self._sync = sync_ranks
         self._switches: list[_Switch] | None = None
-        self._window: _LrWindow | None = None
+        self._window: LrWindow | None = None
         self._defer = defer_restore
         self._pending: tuple[Command, dict[str, Any]] | None = None
         """A validated rollback waiting for :meth:`finish_rollback` (``defer_restore``)."""
@@ -381,11 +371,6 @@ class Remediator:
             return self._optimizer
         return self.checkpoints.optimizer if self.checkpoints is not None else None
 
-    def _scheduler_base_lrs(self) -> list[Any] | None:
-        sched = self.checkpoints.scheduler if self.checkpoints is not None else None
-        base = getattr(sched, "base_lrs", None)
-        return base if isinstance(base, list) else None
-
     def _start_lr_window(self, scale: float, steps: int, *, resume: int) -> dict[str, Any]:
         info: dict[str, Any] = {"lr_scale": scale, "lr_scale_steps": steps, "lr_restore_step": resume + steps}
         if self._lr_hook is not None:
@@ -393,31 +378,14 @@ class Remediator:
             return {**info, "lr_scaled_by": "hook"}
         opt = self._lr_optimizer()
         assert opt is not None  # checked before restoring
-        window = _LrWindow(scale=scale, until=resume + steps)
-        for group in opt.param_groups:
-            original, group["lr"] = _scaled(group["lr"], scale)
-            window.groups.append((original, group["lr"]))
-        base = self._scheduler_base_lrs()
-        if base is not None:
-            window.base_lrs = []
-            for i, value in enumerate(base):
-                original, base[i] = _scaled(value, scale)
-                window.base_lrs.append((original, base[i]))
-        self._window = window
+        sched = self.checkpoints.scheduler if self.checkpoints is not None else None
+        self._window = LrWindow.start([opt], [sched] if sched is not None else [], scale, resume + steps)
         return {**info, "lr_scaled_by": "param_groups"}
 
     def _end_lr_window(self, *, restore: bool) -> None:
         window, self._window = self._window, None
-        if window is None or not restore:
-            return
-        opt = self._lr_optimizer()
-        if opt is not None:
-            for group, (original, written) in zip(opt.param_groups, window.groups, strict=False):
-                group["lr"] = _unscaled(group["lr"], original, written, window.scale)
-        base = self._scheduler_base_lrs()
-        if base is not None and window.base_lrs is not None:
-            for i, (original, written) in enumerate(window.base_lrs[:len(base)]):
-                base[i] = _unscaled(base[i], original, written, window.scale)
+        if window is not None and restore:
+            window.end()
 
     # -- agreement across ranks ------------------------------------------------------------------
 
@@ -443,20 +411,3 @@ def _per_rank(errors: list[tuple[int, str]]) -> str:
     if len(errors) == 1 and errors[0][0] == 0:
         return errors[0][1]
     return "; ".join(f"rank {r}: {e}" for r, e in errors)
-
-
-def _scaled(value: Any, scale: float) -> tuple[Any, Any]:
-    """(original, scaled) of a learning rate."""
-    if isinstance(value, torch.Tensor):  # a tensor lr (capturable optimizers) is updated in place
-        return value.clone(), value.mul_(scale)
-    return value, value * scale
-
-
-def _unscaled(current: Any, original: Any, written: Any, scale: float) -> Any:
-    """Back to ``original`` if nobody touched the value we wrote; else undo our factor and keep
-    what a (chainable) scheduler did meanwhile."""
-    if isinstance(current, torch.Tensor):
-        return current.div_(scale)
-    if current == written:
-        return original
-    return current / scale

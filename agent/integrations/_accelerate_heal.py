@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from fp8guard.agent.errors import CheckpointError
 from fp8guard.agent.healing import Batches, HealConfig
@@ -61,16 +61,6 @@ class _DataPosition:
         self.healer.loaded_data = dict(state)
 
 
-class _Replayed(Generic[T]):
-    """The data without its ``state_dict``: ``Batches`` replays it from the epoch's start."""
-
-    def __init__(self, data: Iterable[T]) -> None:
-        self.data = data
-
-    def __iter__(self) -> Iterator[T]:
-        return iter(self.data)
-
-
 class AccelerateHealer(FrameworkHealer):
     """The command handler ``attach_accelerate(..., heal=HealConfig(...))`` builds."""
 
@@ -94,8 +84,6 @@ class AccelerateHealer(FrameworkHealer):
     # -- the loop's side -------------------------------------------------------------------------
 
     def batches(self, data: Iterable[T], *, epochs: int | None = 1, steps: int | None = None) -> Iterator[T]:
-        if getattr(data, "use_stateful_dataloader", True) is False:
-            data = _Replayed(data)  # a prepared DataLoader has state_dict() even when it cannot give one
         stream: Batches[T] = Batches(data, epochs=epochs)
         self.stream = stream
         return self._drive(stream, steps)

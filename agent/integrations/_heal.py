@@ -21,18 +21,18 @@ continues where the data is, having skipped more than asked; the acknowledgement
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from fp8guard.agent.commands import AckStatus, Command, Outcome
+from fp8guard.agent.lr_window import LrWindow
 from fp8guard.agent.remediation import Remediator
 from fp8guard.agent.sources.base import Source
 
-__all__ = ["FrameworkHealer", "LrWindow", "Saved"]
+__all__ = ["FrameworkHealer", "Saved"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -46,49 +46,6 @@ class Saved:
     path: str
     position: int | None
     """The data position (batches drawn) at save time; None when unknown."""
-
-
-@dataclass(slots=True)
-class LrWindow:
-    """A learning rate scaled for a while after a rollback: every param group's ``lr`` and every
-    scheduler's ``base_lrs`` (so closed-form schedules such as LambdaLR keep the factor), undone at
-    step ``until``."""
-
-    scale: float
-    until: int
-    """First step that runs with the original learning rate again."""
-    _written: list[tuple[dict[str, Any] | list[Any], Any, Any, Any]] = field(default_factory=list)
-    """(container, key, original, written) per value scaled."""
-
-    @classmethod
-    def start(cls, optimizers: Iterable[Any], schedulers: Iterable[Any], scale: float, until: int) -> LrWindow:
-        window = cls(scale=scale, until=until)
-        for opt in optimizers:
-            for group in getattr(opt, "param_groups", ()):
-                window._scale(group, "lr")
-        for sched in schedulers:
-            base = getattr(sched, "base_lrs", None)
-            if isinstance(base, list):
-                for i in range(len(base)):
-                    window._scale(base, i)
-        return window
-
-    def _scale(self, container: Any, key: Any) -> None:
-        value = container[key]
-        original = value.clone() if isinstance(value, torch.Tensor) else value
-        container[key] = value.mul_(self.scale) if isinstance(value, torch.Tensor) else value * self.scale
-        self._written.append((container, key, original, container[key]))
-
-    def end(self) -> None:
-        """Undo the factor: back to the original if nobody touched the value, else divide (a
-        chainable scheduler moved it meanwhile)."""
-        for container, key, original, written in self._written:
-            current = container[key]
-            if isinstance(current, torch.Tensor):
-                current.div_(self.scale)
-            else:
-                container[key] = original if current == written else current / self.scale
-        self._written.clear()
 
 
 class FrameworkHealer:

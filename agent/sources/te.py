@@ -60,6 +60,7 @@ from fp8guard.agent.sources.te_current import HOOK_RECIPES, CurrentReader, curre
 from fp8guard.agent.sources.te_delayed import DelayedReader, Entry, delayed_columns
 from fp8guard.agent.sources.te_hooks import HookObserver
 from fp8guard.agent.sources.te_layout import Column, kind_of, recipe_family, state_of
+from fp8guard.agent.sources.te_stale import FP8Sentinel
 
 __all__ = ["BoundarySlots", "ExactCounts", "TESource", "discover", "te_current_scale"]
 
@@ -143,6 +144,8 @@ class TESource:
             self._inspect = te_inspect.InspectCounts(self._inspect_targets(te_inspect.TENSOR_NAMES), self._counts)
         if self._delayed is None:
             self._hooks.install()  # current/block scaling: the hooks are the measurement
+        self._sentinel = FP8Sentinel([m for _, m in self._switchable], te.fp8_enabled)
+        """Armed by the Monitor's first ``prepare_step``: did any TE module run in FP8 since?"""
 
     def _count_scale(self, col: Column, amax: torch.Tensor | None) -> torch.Tensor:
         """The scale of a cast being counted: TE's live slot (delayed), the formula (current)."""
@@ -192,6 +195,7 @@ class TESource:
     def prepare_step(self, step: int, count_every: int) -> None:
         """Called by the Monitor before each step: the step number and the counting cadence
         (0: this rank never counts). Opens TE's debug session the first time counting is due."""
+        self._sentinel.arm()
         counter = self._inspect
         if counter is None:
             return
@@ -275,6 +279,11 @@ class TESource:
             if reset and callable(reset_meta):
                 reset_meta()
 
+    def stale_reason(self) -> str | None:
+        """Why TE's FP8 state has not changed since attach (checked once by the monitor after a
+        few steps; host only), naming the fix; None when a TE module ran in FP8 meanwhile."""
+        return self._sentinel.stale_reason(any_fp8=any(self.precision().values()))
+
     def precision(self) -> dict[str, bool]:
         return {name: "_fp8guard_forward" not in m.__dict__ for name, m in self._switchable}
 
@@ -340,6 +349,7 @@ class TESource:
     def close(self) -> None:
         """Remove the module hooks (the source reads nothing afterwards)."""
         self._hooks.remove()
+        self._sentinel.remove()
         self.stop_counting()
 
 

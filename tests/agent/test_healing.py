@@ -57,6 +57,32 @@ def test_a_shuffling_dataloader_is_replayed_in_the_same_order() -> None:
     assert sorted(second) == list(range(64)) and stream.position == 32
 
 
+class _StatelessLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """As Accelerate prepares a DataLoader without ``use_stateful_dataloader=True``: both methods
+    exist, but ``state_dict()`` raises AttributeError."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dl_state_dict  # type: ignore[no-any-return,attr-defined]  # never set: AttributeError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise AssertionError("Batches must not restore a loader whose state_dict() fails")
+
+
+def test_a_loader_whose_state_dict_raises_is_replayed_instead() -> None:
+    torch.manual_seed(2)
+    loader = _StatelessLoader(torch.utils.data.TensorDataset(torch.arange(32)), batch_size=4, shuffle=True)
+    stream = Batches(loader, epochs=1)
+    assert not stream.stateful
+    drawn = [_ids(stream.next()) for _ in range(3)]
+    saved = stream.state_dict()
+    assert "loader" not in saved and "epoch_rng" in saved
+    drawn += [_ids(stream.next()) for _ in range(4)]
+    stream.load_state_dict({**saved, "position": saved["position"] + 1})  # restore, then skip one
+    rest = [_ids(b) for b in stream]  # the epoch replayed in its order from the skipped-to batch
+    assert rest[:3] == drawn[4:7] and len(rest) == 4
+    assert sorted(i for b in drawn[:4] + rest for i in b) == list(range(32))
+
+
 def test_a_list_is_replayed_across_epochs_and_ends_after_them() -> None:
     data = [(torch.tensor([i]),) for i in range(5)]
     stream = Batches(data, epochs=2)

@@ -270,3 +270,63 @@ def test_probe_leaves_precision_and_te_state_as_they_were() -> None:
     out = read(src)
     cols = [i for i, s in enumerate(src.tensors()) if s.module.startswith("1.layernorm_mlp")]
     assert torch.equal(out[AMAX, cols], torch.zeros(len(cols)))  # the fallback's mask is back too
+
+
+def _steps_without_autocast(model: Any, monitor: Any, n: int, recipe: Any = None) -> None:
+    for k in range(n):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(k))
+        if recipe is None:
+            loss = model(x).pow(2).mean()
+        else:
+            with fake_te.autocast(enabled=True, recipe=recipe):
+                loss = model(x).pow(2).mean()
+        loss.backward()
+        monitor.step(loss)
+        model.zero_grad()
+
+
+def test_stale_state_warns_once_naming_te_autocast() -> None:
+    """Warmed up in FP8, then trained outside TE's autocast: TE's state never changes again, and
+    the monitor says so once, naming the fix; the watching hooks are gone afterwards."""
+    model = stack(2)
+    train_step(model, fake_te.DelayedScaling(amax_history_len=4), 0)
+    monitor = Monitor(MonitorConfig(sources=["te"], count_interval_steps=0, tripwire=False, harm_interval_steps=0),
+                      transport=NullTransport())
+    monitor.attach(model)
+    with pytest.warns(RuntimeWarning, match=r"te\.autocast\(enabled=True, recipe=\.\.\.\).*te\.fp8_autocast") as caught:
+        _steps_without_autocast(model, monitor, 12)
+    assert len(caught) == 1 and "no Transformer Engine module has run a forward in FP8" in str(caught[0].message)
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+    monitor.close()
+
+
+def test_no_stale_warning_when_te_runs_in_fp8_and_the_watch_costs_one_forward(recwarn: Any) -> None:
+    model = stack(2)
+    recipe = fake_te.DelayedScaling(amax_history_len=4)
+    train_step(model, recipe, 0)
+    monitor = Monitor(MonitorConfig(sources=["te"], count_interval_steps=0, tripwire=False, harm_interval_steps=0),
+                      transport=NullTransport())
+    monitor.attach(model)
+    src = monitor.sources[0]
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) > 0  # armed at attach
+    _steps_without_autocast(model, monitor, 1, recipe)
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0  # gone at the first FP8 forward
+    _steps_without_autocast(model, monitor, 11, recipe)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert src.stale_reason() is None  # type: ignore[attr-defined]
+    src.set_fp8(None, False)  # every module in BF16 on purpose: nothing to warn about either
+    assert src.stale_reason() is None  # type: ignore[attr-defined]
+    monitor.close()
+
+
+def test_stale_reason_is_quiet_when_every_module_fell_back_to_bf16() -> None:
+    model = stack(1)
+    train_step(model, fake_te.DelayedScaling(amax_history_len=4), 0)
+    src = te.discover(model, required=True)
+    assert src is not None
+    src.prepare_step(0, 0)
+    src.set_fp8(None, False)
+    assert src.stale_reason() is None
+    src.set_fp8(None, True)
+    assert src.stale_reason() is not None and "te.autocast(enabled=True" in src.stale_reason()  # type: ignore[operator]
+    src.close()

@@ -1,0 +1,77 @@
+"""The Monitor's side of its sources' per-step lifecycle: closing the FP8 step where a library
+needs it, arming exact counts at their cadence, and the one-time warning about a source whose
+FP8 state never changed (silent zeros are worse than no data)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+from fp8guard.agent.sources.base import Source
+
+__all__ = ["SourceSteps"]
+
+log = logging.getLogger("fp8guard.agent")
+
+_STALE_CHECK_STEPS = 10
+"""After this many ``step`` calls, ask each source once whether its FP8 state ever changed
+(``stale_reason``, host only) and warn loudly if not: silent zeros are worse than no data."""
+
+
+class SourceSteps:
+    """Drives the optional per-step hooks of a Monitor's sources (``end_step``, ``prepare_step``,
+    ``arm_counts``, ``stop_counting``, ``stale_reason``); host work only."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self.sources = list(sources)
+        self.counting = False
+        """Whether the sources count exactly at the step being recorded."""
+        self._end_failed: set[str] = set()
+        self._step_calls = 0
+
+    def end_step(self) -> None:
+        """Close the step in sources whose library needs it (the emulation's scale update when the
+        loop has no ``fp8.update()``): training numerics, so on every rank, reporting or not;
+        once after ``_STALE_CHECK_STEPS`` calls, warn about a source whose state never changed."""
+        for src in self.sources:
+            end = getattr(src, "end_step", None)
+            if end is not None and src.kind not in self._end_failed:
+                try:
+                    end()
+                except Exception:
+                    self._end_failed.add(src.kind)
+                    log.exception("fp8guard: closing the FP8 step in the %s source failed; not tried again", src.kind)
+        self._step_calls += 1
+        if self._step_calls == _STALE_CHECK_STEPS:
+            for src in self.sources:
+                reason = getattr(src, "stale_reason", None)
+                message = reason() if reason is not None else None
+                if message:
+                    log.warning("%s", message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def arm_counts_for(self, step: int, *, every: int, reporting: bool) -> None:
+        """Tell the sources whether ``step`` counts exactly (every ``every`` steps, when reporting)."""
+        for src in self.sources:
+            prepare = getattr(src, "prepare_step", None)
+            if prepare is not None:  # sources that must know the cadence ahead (TE's inspection API)
+                prepare(step, every if reporting else 0)
+        want = every > 0 and step % every == 0 and reporting
+        if want != self.counting:
+            for src in self.sources:
+                if src.supports_counts:
+                    src.arm_counts(want)
+            self.counting = want
+
+    def stop_counting(self) -> None:
+        for src in self.sources:
+            try:
+                if src.supports_counts:
+                    src.arm_counts(False)
+                stop = getattr(src, "stop_counting", None)
+                if stop is not None:
+                    stop()
+            except Exception:
+                log.exception("fp8guard: could not switch counting off in %s", src.kind)
+        self.counting = False

@@ -1,0 +1,187 @@
+"""The Monitor's command boundary and its urgency after the tripwire fires.
+
+At the end of every ``Monitor.step`` call, on every rank, commands apply
+(:meth:`CommandBoundary.close_step`). In a healthy run that is every
+``command_check_interval_steps``. When the tripwire (:mod:`fp8guard.agent.tripwire`) or the
+harm probe says something is wrong, the monitor *hurries*: it ships what it recorded at once,
+asks the command listener for the decision and checks for it at the following boundaries,
+waiting up to ``tripwire_wait_s`` once; under torch.distributed every rank enters an extra
+command broadcast at the boundary where the tripwire's shared verdict is due."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from fp8guard.agent.tripwire import Tripwire
+
+if TYPE_CHECKING:
+    from fp8guard.agent.monitor import Monitor
+
+__all__ = ["CommandBoundary"]
+
+log = logging.getLogger("fp8guard.agent")
+
+_MAX_UNANSWERED_WAITS = 3
+"""Tripwire waits in a row without a decision after which a persisting trip only ships."""
+
+
+class CommandBoundary:
+    """Owned by one Monitor: its tripwire, the urgency state, and where commands apply."""
+
+    def __init__(self, monitor: Monitor, tripwire: Tripwire | None) -> None:
+        self._m = monitor
+        self.tripwire = tripwire
+        self.probe_now = False
+        """The tripwire fired: run the harm probe at this step, due or not."""
+        self._urgent_until: int | None = None
+        """After the tripwire fired: check commands at every step boundary up to this step."""
+        self._urgent_waited = False
+        self._unanswered_waits = 0
+        """Waits for a decision in a row that no command answered: a trip that persists (a level
+        shift the service does not call an incident) stops costing ``tripwire_wait_s`` per step
+        after ``_MAX_UNANSWERED_WAITS`` of them."""
+        self.tick = 0
+        """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
+        (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
+        self._extra_broadcast_tick: int | None = None
+        """The last boundary at which every rank entered a tripwire's extra command broadcast."""
+        self.broadcasts = 0
+        """Extra command broadcasts entered after the tripwire fired (none in a healthy run)."""
+
+    def answer_tripwire(self, current: int) -> None:
+        """If an earlier step's device check has completed and fired (``Tripwire.peek``, no
+        wait): ship everything now and listen for the decision. Rank-local work only: ranks see
+        a check complete at different steps, so no collective may hang on this; the boundary
+        where every rank acts on a verdict together is ``_tripwire_due``'s."""
+        if self.tripwire is None:
+            return
+        # one process consumes what it read (nothing waits for the lagged read); ranks keep their
+        # verdicts for ``due``
+        fired = self.tripwire.fired() if self._m.world_size == 1 else self.tripwire.peek()
+        if fired is None:
+            return
+        log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
+        self.hurry(current)
+        # Does the anomaly cost the loss? Probe this step (one process: a rank-local trip must
+        # not start forwards that other ranks of a sharded model would not join).
+        self.probe_now = self._m.world_size == 1
+
+    def hurry(self, current: int) -> None:
+        """Ship what is recorded now and listen for the decision (a tripped tripwire, a measured
+        harm); this rank's work only."""
+        m = self._m
+        m._flush()
+        self._urgent_until = current + m.config.command_check_interval_steps
+        self._urgent_waited = False
+        if m._listener is not None:
+            m._listener.listen(30.0, after=m._desk.last_applied)
+
+    def close_step(self, current: int, grad_norm: torch.Tensor | float | None) -> None:
+        """The end of every ``step`` call, on every rank, whatever it reports: commands apply here.
+
+        Under torch.distributed a broadcast is entered by all ranks or by none, and the branch
+        taken depends only on what is the same on every rank: the step call count (every
+        ``command_check_interval_steps``) and the tripwire's verdict due at this boundary (read
+        at a fixed lag, ``Tripwire.due``). A single process applies what has arrived at once."""
+        m = self._m
+        every_n = (current + 1) % m.config.command_check_interval_steps == 0
+        extra = self._tripwire_due(self.tick, current, grad_norm)
+        self.tick += 1
+        if extra:
+            # Rank 0's inbox is what the broadcast sends: give the decision its moment to arrive
+            # (the other ranks wait in the broadcast meanwhile).
+            self._await_decision()
+            if not every_n:
+                self.broadcasts += 1
+        if every_n or extra:
+            # Every rank reaches this at the same step: the broadcast in check_commands must be
+            # entered by all of them.
+            m._check_commands(current)
+        elif m.world_size == 1 and self._urgent_until is not None:
+            self._urgent_check(current)
+        elif m.world_size == 1 and m._desk.inbox:
+            # One process needs no broadcast: a command that has arrived applies at this step.
+            m._check_commands(current)
+
+    def _tripwire_due(self, tick: int, current: int, grad_norm: torch.Tensor | float | None) -> bool:
+        """Read the verdict due at boundary ``tick``; True when every rank is to enter an extra
+        command broadcast now (under torch.distributed, the shared bit fired, and no extra
+        broadcast in the last ``command_check_interval_steps`` boundaries: a run that keeps
+        tripping is answered at the every-N broadcasts, never held up at each step).
+
+        A verdict that no peek saw (the host ran ahead of the device) makes this rank hurry now;
+        a single process then applies the decision at this boundary."""
+        m, trip = self._m, self.tripwire
+        if trip is None or m.world_size == 1:
+            # One process needs no agreement: ``peek`` (never waits) answers it. The lagged read
+            # would cap how far the host runs ahead of the device at every step (on the H200 a
+            # torchao loop's monitor.step waited 255 ms there).
+            return False
+        try:
+            if m.world_size > 1 and not trip.checked(tick):
+                # A rank that does not report (or whose monitoring broke) still checks the shared
+                # quantity, so that its verdicts stay the other ranks' verdicts.
+                trip.check(current, tick=tick, loss=None, grad_norm=self._shared_grad_norm(grad_norm, trip.device),
+                           saturation=None)
+            verdict = trip.due(tick)
+        except Exception:
+            self.tripwire = None
+            log.exception("fp8guard: the tripwire failed and is now off on this rank; training continues")
+            return False
+        if verdict is None or not verdict.fired:
+            return False
+        if not verdict.peeked:
+            log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", verdict.step)
+            if m.reporting and not m._broken:
+                try:
+                    self.hurry(current)
+                except Exception:
+                    log.exception("fp8guard: shipping after the tripwire failed")
+        if m.world_size == 1 or not verdict.shared:
+            return False
+        last = self._extra_broadcast_tick
+        if last is not None and tick - last < m.config.command_check_interval_steps:
+            return False
+        self._extra_broadcast_tick = tick
+        return True
+
+    def _shared_grad_norm(self, grad_norm: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:
+        """The gradient norm as ``Monitor._record`` gives it to the tripwire (float32 on the
+        device), for ranks that do not record."""
+        if grad_norm is None:
+            return self._m._device_grad_norm() if self._m.config.compute_grad_norm else None
+        if isinstance(grad_norm, torch.Tensor):
+            return grad_norm.detach().reshape(()).to(device=device, dtype=torch.float32, non_blocking=True)
+        return torch.full((), float(grad_norm), dtype=torch.float32, device=device)
+
+    def _await_decision(self) -> None:
+        """On rank 0 (or alone), wait up to ``tripwire_wait_s`` for a command to arrive; only at
+        a boundary where the tripwire's verdict is due and fired, never in a healthy run."""
+        m = self._m
+        if m.rank != 0 or m.config.tripwire_wait_s <= 0:
+            return
+        self._wait_for_command()
+
+    def _wait_for_command(self) -> None:
+        m = self._m
+        deadline = time.monotonic() + m.config.tripwire_wait_s
+        while not m._desk.inbox and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def _urgent_check(self, current: int) -> None:
+        m, inbox = self._m, self._m._desk.inbox
+        assert self._urgent_until is not None
+        if (not inbox and not self._urgent_waited and m.config.tripwire_wait_s > 0
+                and self._unanswered_waits < _MAX_UNANSWERED_WAITS):
+            # Only after the tripwire fired, once: the decision is usually tens of ms away.
+            self._urgent_waited = True
+            self._wait_for_command()
+            self._unanswered_waits = 0 if inbox else self._unanswered_waits + 1
+        applied = len(m._desk.applied_ids)
+        m._check_commands(current)
+        if len(m._desk.applied_ids) > applied or current >= self._urgent_until:
+            self._urgent_until = None
