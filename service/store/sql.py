@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["fetch_all", "fetch_one", "json_value", "run", "run_many", "timestamp"]
+__all__ = ["fetch_all", "fetch_one", "insert_returning_ids", "json_value", "run", "run_many", "timestamp"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -68,6 +68,29 @@ def fetch_all(conn: sa.Connection, sql: str, params: Sequence[Any] = ()) -> list
         return [tuple(r) for r in cursor.fetchall()]
     finally:
         cursor.close()
+
+
+_ROWS_PER_INSERT = 500
+"""Rows per multi-row INSERT (SQLite allows 32,766 parameters per statement)."""
+
+
+def insert_returning_ids(conn: sa.Connection, table: str, columns: Sequence[str],
+                         rows: Sequence[Sequence[Any]]) -> list[int]:
+    """Insert ``rows`` with multi-row ``INSERT .. VALUES .. RETURNING id`` statements (one round
+    trip per 500 rows) and return their new ids in the order of ``rows``. Within one statement
+    both backends number the rows in the order of its VALUES list (an ascending sequence or rowid),
+    but neither promises to return them in that order: the ids are sorted."""
+    ids: list[int] = []
+    one = f"({', '.join('?' * len(columns))})"
+    for lo in range(0, len(rows), _ROWS_PER_INSERT):
+        chunk = rows[lo:lo + _ROWS_PER_INSERT]
+        statement = (f"INSERT INTO {table} ({', '.join(columns)}) VALUES {', '.join([one] * len(chunk))} "
+                     "RETURNING id")
+        got = fetch_all(conn, statement, [v for row in chunk for v in row])
+        if len(got) != len(chunk):
+            raise RuntimeError(f"INSERT INTO {table} returned {len(got)} ids for {len(chunk)} rows")
+        ids += sorted(int(r[0]) for r in got)
+    return ids
 
 
 def timestamp(conn: sa.Connection, when: datetime) -> datetime | str:
