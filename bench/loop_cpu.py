@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import io
 import json
 import pstats
@@ -16,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.ingest import Payloads
@@ -53,15 +56,36 @@ def measure(url: str, batches: int, tensors: int, steps: int, profile: bool) -> 
             if i > 0:  # the first batch registers the tensors and builds the detector
                 ingest_s += t1 - t0
                 loop_s += t2 - t1
+        digest = _decisions_digest(store, payloads.run_id)
     finally:
         store.close()
     n = max(batches - 1, 1)
-    out: dict[str, Any] = {"batches": n, "ingest_cpu_ms": 1e3 * ingest_s / n, "loop_cpu_ms": 1e3 * loop_s / n}
+    out: dict[str, Any] = {"batches": n, "ingest_cpu_ms": 1e3 * ingest_s / n, "loop_cpu_ms": 1e3 * loop_s / n,
+                           **digest}
     if prof is not None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
         out["profile"] = buf.getvalue()
     return out
+
+
+def _decisions_digest(store: Store, run_id: str) -> dict[str, Any]:
+    """How many findings and actions the run got, and a digest of what they say (not their ids or
+    times): two runs of this bench decide the same iff the digests are equal."""
+    with store.engine.connect() as conn:
+        pk = conn.scalar(sa.text("SELECT id FROM runs WHERE run_id = :r"), {"r": run_id})
+        findings = conn.execute(sa.text("SELECT rank, segment, step, onset_step, rule, severity, explanation "
+                                         "FROM findings WHERE run_pk = :p ORDER BY id"), {"p": pk}).all()
+        actions = conn.execute(sa.text("SELECT kind, status, step, reason, payload FROM actions WHERE run_pk = :p "
+                                        "ORDER BY id"), {"p": pk}).all()
+    text = repr([tuple(r) for r in findings]) + repr([(*r[:4], json.dumps(_json(r[4]), sort_keys=True))
+                                                      for r in actions])
+    return {"findings": len(findings), "actions": len(actions),
+            "decisions_digest": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def main() -> None:
