@@ -43,6 +43,13 @@ _SWITCHES = (ActionKind.FALLBACK, ActionKind.PROMOTE)
 _JUDGED_EVENTS = (EventKind.HARM_ATTRIBUTED.value, EventKind.PROMOTION_TRIAL.value)
 """Event kinds the loop's detector reads (the others are applied by ingest)."""
 
+_FINDING_COLUMNS = (("run_pk", "bigint"), ("rank", "integer"), ("segment", "integer"), ("step", "bigint"),
+                    ("onset_step", "bigint"), ("rule", "text"), ("severity", "text"), ("explanation", "text"),
+                    ("modules", "json"), ("evidence", "json"), ("created_at", "timestamptz"))
+_ACTION_COLUMNS = (("run_pk", "bigint"), ("kind", "text"), ("status", "text"), ("step", "bigint"),
+                   ("reason", "text"), ("payload", "json"), ("finding_ids", "json"), ("created_at", "timestamptz"))
+"""Columns the loop inserts in bulk, with their PostgreSQL types (``sql.insert_returning_ids``)."""
+
 
 class TensorRow:
     """One row of the run's tensor table, as the detector needs it."""
@@ -200,9 +207,7 @@ class LoopTxn:
         now = sql.timestamp(self.conn, self.now)
         rows = [(self.run_pk, rank, segment, f.step, f.onset_step, str(f.rule), str(f.severity), f.explanation[:1024],
                  json.dumps(list(f.modules)), json.dumps(f.evidence), now) for f in findings]
-        ids = sql.insert_returning_ids(
-            self.conn, "findings", ("run_pk", "rank", "segment", "step", "onset_step", "rule", "severity",
-                                    "explanation", "modules", "evidence", "created_at"), rows)
+        ids = sql.insert_returning_ids(self.conn, "findings", _FINDING_COLUMNS, rows)
         if self._view is not None:
             v = self._view
             for f in findings:
@@ -333,8 +338,7 @@ class LoopTxn:
         now = sql.timestamp(self.conn, self.now)
         rows = [(self.run_pk, str(d.kind), str(status), step, d.reason[:1024], json.dumps(d.details()),
                  json.dumps(list(fids)), now) for d, status, fids, step in pending]
-        ids = sql.insert_returning_ids(self.conn, "actions", ("run_pk", "kind", "status", "step", "reason", "payload",
-                                                              "finding_ids", "created_at"), rows)
+        ids = sql.insert_returning_ids(self.conn, "actions", _ACTION_COLUMNS, rows)
         return [(i, d, step) for i, (d, _, _, step) in zip(ids, pending, strict=True)]
 
     def enqueue_alerts(self, rows: Sequence[OutboxRow]) -> int:
