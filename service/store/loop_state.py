@@ -255,6 +255,8 @@ class LoopTxn:
         rules = frozenset(str(r) for r in rollback_rules)
         if self._view is None or rules != self._rollback_rules:
             self._view, self._rollback_rules = self._read_view(rules), rules
+            for decision, status, _, step in self._actions:  # recorded, not written yet
+                _apply_action(self._view, decision, status, step)
         return self._view
 
     def _read_view(self, rollback_rules: Iterable[str]) -> ViewInputs:
@@ -314,20 +316,8 @@ class LoopTxn:
         """Record a decision: the run's situation (``view_inputs``) includes it at once; its row is
         written with the pass's others by ``flush_actions``."""
         self._actions.append((decision, status, tuple(finding_ids), step))
-        v = self._view
-        if v is None:
-            return
-        kind = decision.kind
-        if kind is ActionKind.PAGE:
-            v.last_page = step if v.last_page is None else max(v.last_page, step)
-        elif kind is ActionKind.ROLLBACK and status in (ActionStatus.PENDING, ActionStatus.APPLIED):
-            v.recent_rollbacks.append(step)
-            v.rollback_pending |= status is ActionStatus.PENDING
-        elif kind in _SWITCHES and status is ActionStatus.PENDING:
-            if decision.modules is None:
-                v.whole_model_pending |= kind is ActionKind.FALLBACK
-            else:
-                v.pending_modules.update({str(m): kind for m in decision.modules})
+        if self._view is not None:
+            _apply_action(self._view, decision, status, step)
 
     def flush_actions(self) -> list[tuple[int, Decision, int]]:
         """Write the decisions recorded since the last flush (multi-row statements); returns
@@ -343,3 +333,18 @@ class LoopTxn:
 
     def enqueue_alerts(self, rows: Sequence[OutboxRow]) -> int:
         return insert_rows(self.conn, rows, run_pk=self.run_pk)
+
+
+def _apply_action(v: ViewInputs, decision: Decision, status: ActionStatus, step: int) -> None:
+    """``v`` as it reads once the action row of ``decision`` is stored (what ``_read_view`` reads)."""
+    kind = decision.kind
+    if kind is ActionKind.PAGE:
+        v.last_page = step if v.last_page is None else max(v.last_page, step)
+    elif kind is ActionKind.ROLLBACK and status in (ActionStatus.PENDING, ActionStatus.APPLIED):
+        v.recent_rollbacks.append(step)
+        v.rollback_pending |= status is ActionStatus.PENDING
+    elif kind in _SWITCHES and status is ActionStatus.PENDING:
+        if decision.modules is None:
+            v.whole_model_pending |= kind is ActionKind.FALLBACK
+        else:
+            v.pending_modules.update({str(m): kind for m in decision.modules})

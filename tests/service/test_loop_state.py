@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from fp8guard.service.domain import Decision, Finding, RunSpec
@@ -43,11 +44,15 @@ def test_findings_come_back_with_their_ids_in_order(store: Store) -> None:
     assert [rows[i] for i in ids] == list(range(1234))
 
 
-def test_the_pass_keeps_the_situation_as_a_fresh_read_would_see_it(store: Store) -> None:
+@pytest.mark.parametrize("read_first", [True, False], ids=["read-then-write", "write-then-read"])
+def test_the_pass_keeps_the_situation_as_a_fresh_read_would_see_it(store: Store, read_first: bool) -> None:
+    """Read before the pass's writes (then kept up to date) or first after them (decisions
+    recorded but not written yet are applied to the read): the same as a read after writing."""
     pk = _lookup_registered(store, "bulk-view")
 
     def judge(txn: LoopTxn) -> tuple[dict[str, Any], dict[str, Any], list[tuple[int, Decision, int]]]:
-        txn.view_inputs(ROLLBACK)  # read once
+        if read_first:
+            txn.view_inputs(ROLLBACK)
         ids = txn.add_findings(0, 0, [_finding(10, modules=("m1", "m2")), _finding(12, Rule.LOSS_SPIKE, ()),
                                       _finding(14, modules=("m2",))])
         decisions = [
