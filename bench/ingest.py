@@ -36,7 +36,8 @@ from fp8guard import wire
 
 STATS = ("amax", "scale", "saturation", "amax_history_max")
 PG_ADMIN_URL = os.environ.get("FP8GUARD_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-PG_BENCH_DB = "fp8guard_bench"
+PG_BENCH_DB = f"fp8guard_bench_{uuid.uuid4().hex[:8]}"
+"""A database of this run's own: two sessions benchmarking at once never drop each other's."""
 
 
 def _tensors(n: int) -> list[dict[str, Any]]:
@@ -146,7 +147,6 @@ def _postgres(args: argparse.Namespace) -> dict[str, Any] | None:
         print(f"postgres skipped: {exc}", file=sys.stderr)
         return None
     with admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {PG_BENCH_DB}")
         admin.execute(f"CREATE DATABASE {PG_BENCH_DB}")
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_BENCH_DB}"
     try:

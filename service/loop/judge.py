@@ -3,10 +3,11 @@ write order, the policy over what it found, and the decisions and alerts to stor
 
 Detection and policy are pure (``detector``, ``policy``); this module only sequences them over
 ``LoopTxn``, the store's unit of work, which holds the run's loop lock. Decisions are taken
-batch by batch against the run's situation as stored so far (earlier decisions of the same pass
-included), so a second rank's report of the same incident finds the first decision pending and
-orders nothing new: one decision per incident per run, whatever the number of ranks or
-service processes.
+batch by batch against the run's situation, read once per pass and kept up to date in memory by
+the pass's own findings and decisions (their rows are written in bulk: findings once per batch,
+decisions once per pass), so a second rank's report of the same incident finds the first
+decision pending and orders nothing new: one decision per incident per run, whatever the number
+of ranks or service processes.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class Judge:
         unconfirmed = txn.unconfirmed_checkpoints(max(q.last_step for q in queued) - cfg.known_good_after_steps)
         remediating = txn.has_remediation_state()
         commands = 0
+        modules = sorted({m.module for m in metas})
         for q in queued:
             batch = take(q.queue_id) or txn.read_batch(q, run_id)
             detector = detectors.get(q.rank)
@@ -122,20 +124,19 @@ class Judge:
             if findings or remediating:
                 # Decide step by step, as if every step had come alone: the same decisions at the
                 # same steps whatever the batching (findings of a step, then promotions falling due).
-                for at in _decision_points(txn, q, findings, metas, cfg, remediating, detectors.values()):
+                for at in _decision_points(txn, q, findings, modules, cfg, remediating, detectors.values()):
                     unconfirmed = self._confirm_checkpoints(txn, unconfirmed, at, cfg)
                     group = [i for i, f in enumerate(findings) if f.step == at]
-                    view = _view(txn, at, metas, detectors.values())
-                    stored: list[tuple[int, Decision, int]] = []
+                    view = _view(txn, at, modules, detectors.values())
                     for d in decide([findings[i] for i in group], view, cfg) + promotions(view, cfg):
                         status = _status(d, cfg)
-                        action_id = txn.add_action(d, status, [finding_ids[group[j]] for j in d.findings], at)
-                        stored.append((action_id, d, at))
+                        txn.add_action(d, status, [finding_ids[group[j]] for j in d.findings], at)
                         if status is ActionStatus.PENDING:
                             commands += 1
                             remediating |= d.kind in (ActionKind.FALLBACK, ActionKind.PROMOTE)
-                    txn.enqueue_alerts(alert_rows(self.alerts, run_id, stored, txn.now))
             unconfirmed = self._confirm_checkpoints(txn, unconfirmed, q.last_step, cfg)
+        # The pass's decisions in one statement, then their alerts (in the order they were taken).
+        txn.enqueue_alerts(alert_rows(self.alerts, run_id, txn.flush_actions(), txn.now))
         for rank, detector in detectors.items():
             text = json.dumps(detector.state_dict(), allow_nan=False)
             txn.save_detector_state(rank, text, last_step[rank])
@@ -195,16 +196,18 @@ def _status(d: Decision, cfg: GuardConfig) -> ActionStatus:
 _ROLLBACK_RULES = [str(r) for r in Rule if r in ROLLBACK_RULES or r is Rule.GRAD_NORM_SPIKE]
 
 
-def _view(txn: LoopTxn, step: int, metas: Sequence[TensorMeta], detectors: Iterable[Detector] = ()) -> RunView:
+def _view(txn: LoopTxn, step: int, modules: Sequence[str], detectors: Iterable[Detector] = ()) -> RunView:
+    """The policy's input at ``step``: the run's situation as this pass keeps it (read once, updated by
+    the pass's own findings and decisions), copied so that the view stays as it was when taken."""
     v = txn.view_inputs(_ROLLBACK_RULES)
     bf16 = {m: since for m, (p, since) in v.precision.items() if p is not Precision.FP8}
     ledgers = [d.harm for d in detectors]  # what the harm probe reported, as of this step
-    return RunView(step=step, modules=sorted({m.module for m in metas}), bf16=bf16,
-                   rollback_pending=v.rollback_pending, known_good=v.known_good,
-                   recent_rollbacks=v.recent_rollbacks, last_finding_step=v.last_fp8_finding, pinned=v.pinned,
-                   pending=v.pending_modules, whole_model_pending=v.whole_model_pending, checkpoints=v.checkpoints,
-                   last_loss_event=_before(v.last_loss_event, step), last_page=v.last_page,
-                   harm_probed=any(h.probed_at(step) for h in ledgers),
+    return RunView(step=step, modules=modules, bf16=bf16,
+                   rollback_pending=v.rollback_pending, known_good=tuple(v.known_good),
+                   recent_rollbacks=tuple(v.recent_rollbacks), last_finding_step=dict(v.last_fp8_finding),
+                   pinned=v.pinned, pending=dict(v.pending_modules), whole_model_pending=v.whole_model_pending,
+                   checkpoints=tuple(v.checkpoints), last_loss_event=_before(v.last_loss_event, step),
+                   last_page=v.last_page, harm_probed=any(h.probed_at(step) for h in ledgers),
                    trials=tuple(t for h in ledgers for t in h.trials_at(step)))
 
 
@@ -212,7 +215,7 @@ def _before(event: int | None, step: int) -> int | None:
     return event if event is not None and event <= step else None
 
 
-def _decision_points(txn: LoopTxn, q: QueuedBatch, findings: Sequence[Finding], metas: Sequence[TensorMeta],
+def _decision_points(txn: LoopTxn, q: QueuedBatch, findings: Sequence[Finding], modules: Sequence[str],
                      cfg: GuardConfig, remediating: bool, detectors: Iterable[Detector] = ()) -> list[int]:
     """The steps of a batch at which the policy is asked: each step with findings, and (while
     modules are off FP8) the steps at which a re-promotion falls due or a promotion trial was
@@ -220,7 +223,7 @@ def _decision_points(txn: LoopTxn, q: QueuedBatch, findings: Sequence[Finding], 
     points = {f.step for f in findings}
     if remediating:
         ledgers = list(detectors)
-        view = _view(txn, q.last_step, metas, ledgers)
+        view = _view(txn, q.last_step, modules, ledgers)
         due = {max(since, view.last_finding_step.get(m, since)) + promotion_wait(view, m, cfg)
                for m, since in view.bf16.items() if m not in view.pinned and m not in view.pending}
         due |= {t.step for t in view.trials}

@@ -10,6 +10,7 @@ none, and the next pass judges the batch again.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -22,7 +23,6 @@ from fp8guard.service.domain import Batch, Decision, EventRecord, Finding, Queue
 from fp8guard.service.kinds import FP8_RULES, ActionKind, ActionStatus, Precision, Severity
 from fp8guard.service.store import sql
 from fp8guard.service.store.models import (
-    SqlAction,
     SqlCheckpoint,
     SqlEvent,
     SqlFinding,
@@ -42,6 +42,13 @@ LOOP_LOCK_CLASS = 0x6C6F6F70
 _SWITCHES = (ActionKind.FALLBACK, ActionKind.PROMOTE)
 _JUDGED_EVENTS = (EventKind.HARM_ATTRIBUTED.value, EventKind.PROMOTION_TRIAL.value)
 """Event kinds the loop's detector reads (the others are applied by ingest)."""
+
+_FINDING_COLUMNS = (("run_pk", "bigint"), ("rank", "integer"), ("segment", "integer"), ("step", "bigint"),
+                    ("onset_step", "bigint"), ("rule", "text"), ("severity", "text"), ("explanation", "text"),
+                    ("modules", "json"), ("evidence", "json"), ("created_at", "timestamptz"))
+_ACTION_COLUMNS = (("run_pk", "bigint"), ("kind", "text"), ("status", "text"), ("step", "bigint"),
+                   ("reason", "text"), ("payload", "json"), ("finding_ids", "json"), ("created_at", "timestamptz"))
+"""Columns the loop inserts in bulk, with their PostgreSQL types (``sql.insert_returning_ids``)."""
 
 
 class TensorRow:
@@ -86,6 +93,11 @@ class LoopTxn:
         self.conn = conn
         self.run_pk = run_pk
         self.now = now
+        self._view: ViewInputs | None = None
+        """The run's situation, read once per pass and kept up to date by this pass's own writes."""
+        self._rollback_rules: frozenset[str] = frozenset()
+        self._actions: list[tuple[Decision, ActionStatus, tuple[int, ...], int]] = []
+        """Decisions recorded in this pass, written in one statement by ``flush_actions``."""
 
     # -- locking and the queue ------------------------------------------------------------------
 
@@ -189,10 +201,23 @@ class LoopTxn:
     # -- findings, checkpoints, decisions -------------------------------------------------------
 
     def add_findings(self, rank: int, segment: int, findings: Sequence[Finding]) -> list[int]:
-        return [int(self.conn.execute(sa.insert(SqlFinding).values(
-            run_pk=self.run_pk, rank=rank, segment=segment, step=f.step, onset_step=f.onset_step, rule=str(f.rule),
-            severity=str(f.severity), explanation=f.explanation[:1024], modules=list(f.modules), evidence=f.evidence,
-            created_at=self.now).returning(SqlFinding.id)).scalar_one()) for f in findings]
+        """Insert ``findings`` (multi-row statements) and return their ids, in order."""
+        if not findings:
+            return []
+        now = sql.timestamp(self.conn, self.now)
+        rows = [(self.run_pk, rank, segment, f.step, f.onset_step, str(f.rule), str(f.severity), f.explanation[:1024],
+                 json.dumps(list(f.modules)), json.dumps(f.evidence), now) for f in findings]
+        ids = sql.insert_returning_ids(self.conn, "findings", _FINDING_COLUMNS, rows)
+        if self._view is not None:
+            v = self._view
+            for f in findings:
+                if str(f.rule) in self._rollback_rules:
+                    v.last_loss_event = f.onset_step if v.last_loss_event is None else max(v.last_loss_event,
+                                                                                           f.onset_step)
+                if f.rule in FP8_RULES:
+                    for m in f.modules:
+                        v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), f.step)
+        return ids
 
     def unconfirmed_checkpoints(self, up_to_step: int) -> list[tuple[int, int, int]]:
         """(rank, segment, step) of checkpoints not yet known-good, saved at or before ``up_to_step``."""
@@ -211,6 +236,8 @@ class LoopTxn:
         for rank, segment, step in checkpoints:
             self.conn.execute(sa.update(ck).where(ck.run_pk == self.run_pk, ck.rank == rank, ck.segment == segment,
                                                   ck.step == step).values(known_good=True))
+        if checkpoints and self._view is not None:
+            self._view.checkpoints, self._view.known_good = self._timeline_checkpoints()
 
     def has_remediation_state(self) -> bool:
         """Whether any module is (or is being switched) off FP8: promotions need a look then."""
@@ -221,9 +248,18 @@ class LoopTxn:
         return bool(row and row[0])
 
     def view_inputs(self, rollback_rules: Iterable[str]) -> ViewInputs:
-        # Driver SQL: the policy asks for the run's situation at every decision point (a batch of
-        # random data has one at nearly every step), and building these as SQLAlchemy Core
-        # statements cost several times what the database took to answer them.
+        """The run's situation, read once per pass (the policy asks at every decision point: a batch
+        of random data has one at nearly every step) and then kept up to date in memory by this
+        pass's own writes (``add_findings``, ``add_action``, ``mark_known_good``), so every
+        decision sees the earlier decisions of its pass. The caller must not change it."""
+        rules = frozenset(str(r) for r in rollback_rules)
+        if self._view is None or rules != self._rollback_rules:
+            self._view, self._rollback_rules = self._read_view(rules), rules
+            for decision, status, _, step in self._actions:  # recorded, not written yet
+                _apply_action(self._view, decision, status, step)
+        return self._view
+
+    def _read_view(self, rollback_rules: Iterable[str]) -> ViewInputs:
         v = ViewInputs()
         conn, pk = self.conn, self.run_pk
         for module, precision, since in sql.fetch_all(
@@ -276,11 +312,39 @@ class LoopTxn:
                     good.add(int(step))
         return sorted(every), sorted(good)
 
-    def add_action(self, decision: Decision, status: ActionStatus, finding_ids: Sequence[int], step: int) -> int:
-        return int(self.conn.execute(sa.insert(SqlAction).values(
-            run_pk=self.run_pk, kind=str(decision.kind), status=str(status), step=step, reason=decision.reason[:1024],
-            payload=decision.details(), finding_ids=list(finding_ids), created_at=self.now)
-            .returning(SqlAction.id)).scalar_one())
+    def add_action(self, decision: Decision, status: ActionStatus, finding_ids: Sequence[int], step: int) -> None:
+        """Record a decision: the run's situation (``view_inputs``) includes it at once; its row is
+        written with the pass's others by ``flush_actions``."""
+        self._actions.append((decision, status, tuple(finding_ids), step))
+        if self._view is not None:
+            _apply_action(self._view, decision, status, step)
+
+    def flush_actions(self) -> list[tuple[int, Decision, int]]:
+        """Write the decisions recorded since the last flush (multi-row statements); returns
+        (action id, decision, step) in the order they were recorded."""
+        pending, self._actions = self._actions, []
+        if not pending:
+            return []
+        now = sql.timestamp(self.conn, self.now)
+        rows = [(self.run_pk, str(d.kind), str(status), step, d.reason[:1024], json.dumps(d.details()),
+                 json.dumps(list(fids)), now) for d, status, fids, step in pending]
+        ids = sql.insert_returning_ids(self.conn, "actions", _ACTION_COLUMNS, rows)
+        return [(i, d, step) for i, (d, _, _, step) in zip(ids, pending, strict=True)]
 
     def enqueue_alerts(self, rows: Sequence[OutboxRow]) -> int:
         return insert_rows(self.conn, rows, run_pk=self.run_pk)
+
+
+def _apply_action(v: ViewInputs, decision: Decision, status: ActionStatus, step: int) -> None:
+    """``v`` as it reads once the action row of ``decision`` is stored (what ``_read_view`` reads)."""
+    kind = decision.kind
+    if kind is ActionKind.PAGE:
+        v.last_page = step if v.last_page is None else max(v.last_page, step)
+    elif kind is ActionKind.ROLLBACK and status in (ActionStatus.PENDING, ActionStatus.APPLIED):
+        v.recent_rollbacks.append(step)
+        v.rollback_pending |= status is ActionStatus.PENDING
+    elif kind in _SWITCHES and status is ActionStatus.PENDING:
+        if decision.modules is None:
+            v.whole_model_pending |= kind is ActionKind.FALLBACK
+        else:
+            v.pending_modules.update({str(m): kind for m in decision.modules})

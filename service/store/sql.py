@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["fetch_all", "fetch_one", "json_value", "run", "run_many", "timestamp"]
+__all__ = ["fetch_all", "fetch_one", "insert_returning_ids", "json_value", "run", "run_many", "timestamp"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -68,6 +68,39 @@ def fetch_all(conn: sa.Connection, sql: str, params: Sequence[Any] = ()) -> list
         return [tuple(r) for r in cursor.fetchall()]
     finally:
         cursor.close()
+
+
+_ROWS_PER_INSERT = 500
+"""Rows per multi-row INSERT on SQLite (it allows 32,766 parameters per statement)."""
+
+
+def insert_returning_ids(conn: sa.Connection, table: str, columns: Sequence[tuple[str, str]],
+                         rows: Sequence[Sequence[Any]]) -> list[int]:
+    """Insert ``rows`` and return their new ids in the order of ``rows``. ``columns``: (name,
+    PostgreSQL type) pairs. PostgreSQL: one ``INSERT .. SELECT * FROM unnest(arrays) RETURNING id``
+    (a statement text of fixed size, which psycopg parses once: a multi-row VALUES list of a
+    thousand placeholders cost it 7 ms a statement); SQLite: ``INSERT .. VALUES`` of up to 500
+    rows. Within one statement both number the rows in the order given (an ascending sequence or
+    rowid), but neither promises to return them in that order: the ids are sorted."""
+    if not rows:
+        return []
+    names = ", ".join(name for name, _ in columns)
+    if conn.dialect.name == "postgresql":
+        arrays = ", ".join(f"?::{kind}[]" for _, kind in columns)
+        chunks = [(f"INSERT INTO {table} ({names}) SELECT * FROM unnest({arrays}) RETURNING id",
+                   [list(col) for col in zip(*rows, strict=True)], len(rows))]
+    else:
+        one = f"({', '.join('?' * len(columns))})"
+        chunks = [(f"INSERT INTO {table} ({names}) VALUES {', '.join([one] * len(part))} RETURNING id",
+                   [v for row in part for v in row], len(part))
+                  for part in (rows[lo:lo + _ROWS_PER_INSERT] for lo in range(0, len(rows), _ROWS_PER_INSERT))]
+    ids: list[int] = []
+    for statement, params, n in chunks:
+        got = fetch_all(conn, statement, params)
+        if len(got) != n:
+            raise RuntimeError(f"INSERT INTO {table} returned {len(got)} ids for {n} rows")
+        ids += sorted(int(r[0]) for r in got)
+    return ids
 
 
 def timestamp(conn: sa.Connection, when: datetime) -> datetime | str:
