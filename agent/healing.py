@@ -151,27 +151,16 @@ class Healer:
         return self._drive(stream, steps)
 
     def _drive(self, stream: Batches[T], steps: int | None) -> Iterator[T]:
-        monitor = self._monitor
         if self.config.resume and not self._resumed:
             self._resumed = True  # once per job, not at every monitor.batches() (e.g. per epoch)
             self._resume()
-        seen = monitor.next_step
-        try:
-            while True:
-                if self.remediator.rollback_pending:
-                    self.remediator.finish_rollback()  # raises CheckpointError if the restore failed
-                elif monitor.next_step != seen:
-                    self._maybe_save(monitor.next_step - 1)  # a step completed (optimizer.step ran)
-                seen = monitor.next_step
-                if steps is not None and seen >= steps:
-                    return
-                try:
-                    batch = stream.next()
-                except StopIteration:
-                    return
-                yield batch
-        finally:
-            stream.done = True
+        yield from drive(stream, lambda: self._monitor.next_step, steps, self._boundary)
+
+    def _boundary(self, completed: bool) -> None:
+        if self.remediator.rollback_pending:
+            self.remediator.finish_rollback()  # raises CheckpointError if the restore failed
+        elif completed:
+            self._maybe_save(self._monitor.next_step - 1)  # a step completed (optimizer.step ran)
 
     def _maybe_save(self, step: int) -> None:
         if step < 0 or (step + 1) % self.config.every_n_steps != 0:
@@ -212,6 +201,28 @@ class Healer:
         if self._batches is None:
             raise CheckpointError("restoring the data position needs monitor.batches(data)")
         self._batches.load_state_dict(state)
+
+
+def drive(stream: Batches[T], next_step: Callable[[], int], steps: int | None,
+          boundary: Callable[[bool], None]) -> Iterator[T]:
+    """The batch boundary every healer shares: before each batch ``boundary(completed)`` runs
+    (``completed``: a training step ended since the last batch, so a checkpoint may be due; or a
+    rollback waits to be restored), then the stream stops at ``steps`` or at the data's end. The
+    stream is marked done when the loop leaves, however it leaves."""
+    seen = next_step()
+    try:
+        while True:
+            boundary(next_step() != seen)
+            seen = next_step()
+            if steps is not None and seen >= steps:
+                return
+            try:
+                batch = stream.next()
+            except StopIteration:
+                return
+            yield batch
+    finally:
+        stream.done = True
 
 
 def _check_steps(steps: int | None) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from fp8guard.agent.errors import CheckpointError
-from fp8guard.agent.healing import Batches, HealConfig
+from fp8guard.agent.healing import Batches, HealConfig, drive
 from fp8guard.agent.integrations._heal import FrameworkHealer, Saved
 from fp8guard.agent.monitor import Monitor
 
@@ -89,24 +89,17 @@ class AccelerateHealer(FrameworkHealer):
         return self._drive(stream, steps)
 
     def _drive(self, stream: Batches[T], steps: int | None) -> Iterator[T]:
-        monitor = self.monitor
         if self.config.resume:
             self._resume()
-        seen = monitor.next_step
-        while True:
-            if self._pending is not None:
-                self._finish()
-            elif monitor.next_step != seen and monitor.next_step % self.config.every_n_steps == 0:
-                self._save(monitor.next_step)
-            seen = monitor.next_step
-            if steps is not None and seen >= steps:
-                return
-            try:
-                batch = stream.next()
-            except StopIteration:
-                return
+        for batch in drive(stream, lambda: self.monitor.next_step, steps, self._boundary):
             self.drawn = stream.position
             yield batch
+
+    def _boundary(self, completed: bool) -> None:
+        if self._pending is not None:
+            self._finish()
+        elif completed and self.monitor.next_step % self.config.every_n_steps == 0:
+            self._save(self.monitor.next_step)
 
     def _save(self, global_step: int) -> None:
         try:
