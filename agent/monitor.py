@@ -144,7 +144,10 @@ class Monitor:
                                   sources=self._sources)
             self.handler = self._healer
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._grad_norm = GradNorm(self._params)
+        # Under torch.distributed the norm feeds the tripwire's rank-shared bit, which must be
+        # bit-identical on every rank: foreach always (the table kernel falls back to foreach on a
+        # step where the host runs far ahead, which ranks would do at different steps).
+        self._grad_norm = GradNorm(self._params, backend="foreach" if self.world_size > 1 else "auto")
         self._optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._ring = StepRing(n_tensors=len(self._specs), fp8_max=[s.fp8_max for s in self._specs],

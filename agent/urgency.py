@@ -42,8 +42,10 @@ class CommandBoundary:
         self._urgent_waited = False
         self._unanswered_waits = 0
         """Waits for a decision in a row that no command answered: a trip that persists (a level
-        shift the service does not call an incident) stops costing ``tripwire_wait_s`` per step
-        after ``_MAX_UNANSWERED_WAITS`` of them."""
+        shift the service does not call an incident) stops waiting up to ``tripwire_wait_s`` per
+        step after ``_MAX_UNANSWERED_WAITS`` of them, until a step boundary without a trip. It
+        still ships at once: the step that decides may be the fourth of the streak (an LR blowup
+        trips from step 1, and the service's early rule decides on step 4)."""
         self.tick = 0
         """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
         (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
@@ -63,6 +65,7 @@ class CommandBoundary:
         # verdicts for ``due``
         fired = self.tripwire.fired() if self._m.world_size == 1 else self.tripwire.peek()
         if fired is None:
+            self._unanswered_waits = 0  # the streak of trips, if any, has ended
             return
         log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
         self.hurry(current)
