@@ -10,12 +10,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from fp8guard.service.ingest.committer import Committer
 from fp8guard.service.loop.channel import CommandChannel
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
 
-__all__ = ["ChannelDep", "CommitterDep", "SettingsDep", "StoreDep", "get_settings", "get_store"]
+__all__ = ["ChannelDep", "SettingsDep", "StoreDep", "get_settings", "get_store"]
 
 
 async def get_store(request: Request) -> Store:
@@ -28,11 +27,6 @@ async def get_settings(request: Request) -> Settings:
     return settings
 
 
-async def get_committer(request: Request) -> Committer:
-    committer: Committer = request.app.state.committer
-    return committer
-
-
 async def get_channel(request: Request) -> CommandChannel:
     channel: CommandChannel = request.app.state.commands
     return channel
@@ -40,5 +34,4 @@ async def get_channel(request: Request) -> CommandChannel:
 
 StoreDep = Annotated[Store, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-CommitterDep = Annotated[Committer, Depends(get_committer)]
 ChannelDep = Annotated[CommandChannel, Depends(get_channel)]
