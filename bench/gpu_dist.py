@@ -214,6 +214,9 @@ def run(cfg: HealConfig, args: argparse.Namespace) -> dict[str, Any] | None:
                   "amax_identical_across_ranks": all(all(r["amax_equal_to_rank0"]) for r in gathered)}
         if service is not None:
             service.close()
+    # every rank leaves together: a rank that tears gloo down while rank 0 still reads the
+    # service aborted once in CI ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return result
 
