@@ -1,4 +1,4 @@
-"""Fused device kernels: exact FP8 cast counts and the gradients' sum of squares.
+"""Fused device kernels: exact FP8 cast counts, the gradients' sum of squares, TE's delayed-scaling reads.
 
 The only module of fp8guard that imports Triton (optional: the agent's dependencies stay torch
 and httpx). Every function has a torch path that gives the same integers (counts) or the same
@@ -21,17 +21,17 @@ Nothing here synchronises with the host: results accumulate into device buffers.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections.abc import Sequence
-from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
 
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow
 
-__all__ = ["TableSumOfSquares", "count_cast_into", "sum_of_squares_into", "triton_available"]
+__all__ = ["HistoryGather", "TableSumOfSquares", "count_cast_into", "triton_available"]
 
 _BLOCK = 4096
 _ROWS, _COLS = 64, 64
@@ -43,8 +43,6 @@ _HP_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _NONZERO_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
 """Zero test on the bits (sign cleared): correct for subnormal inputs whatever the float mode."""
-_SUMSQ_MIN_NUMEL = 1 << 20
-"""Tensors this large get a Triton launch of their own; smaller ones go through torch's foreach."""
 
 
 def _interpret() -> bool:
@@ -105,37 +103,7 @@ def _triton() -> Any:
         tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
         tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
 
-    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
-    def sumsq_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(ITERS):
-            offs = (pid * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-            acc += x * x
-        # One partial per program into its own slot: the final sum is deterministic.
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
-    def table_sumsq_kernel(ptrs_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, out_ptr, n_blocks,  # type: ignore[no-untyped-def]
-                           DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        # Many tensors in one launch: program pid reads blocks pid*ITERS .. pid*ITERS+ITERS-1 of the
-        # block table (tensor index, start), the tensor's address from the pointer table.
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(ITERS):
-            b = pid * ITERS + i
-            valid = b < n_blocks
-            t = tl.load(blk_tensor_ptr + b, mask=valid, other=0)
-            start = tl.load(blk_start_ptr + b, mask=valid, other=0)
-            n = tl.load(numel_ptr + t)
-            base = tl.load(ptrs_ptr + t).to(tl.pointer_type(DTYPE))
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(base + offs, mask=(offs < n) & valid, other=0.0).to(tl.float32)
-            acc += x * x
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0))  # one partial per program: deterministic
-
-    return count_kernel, sumsq_kernel, table_sumsq_kernel
+    return (count_kernel,)
 
 
 def triton_available(device: torch.device) -> bool:
@@ -221,72 +189,134 @@ def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tens
     return torch.stack((over, under)).to(torch.int64)
 
 
-def sum_of_squares_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], *, partials: torch.Tensor | None = None,
-                        backend: str = "auto") -> torch.Tensor | None:
-    """``sum(t.float()**2)`` over all ``tensors`` as a 0-d float32 device tensor written into ``out``.
+# -- device tables: the gradients' sum of squares, TE's delayed-scaling reads ------------------------------
 
-    Large tensors get one Triton launch each (a persistent grid near memory bandwidth) writing
-    per-program partials into ``partials`` (grown and returned when too small: pass it back next
-    time so nothing is allocated per step); the rest go through ``torch._foreach_norm``.
-    Returns the partials buffer in use (None on the torch path).
-    """
-    if not tensors:
-        out.zero_()
-        return partials
-    device = tensors[0].device
-    use_triton = backend == "triton" or (backend == "auto" and triton_available(device))
-    big = [t for t in tensors if t.numel() >= _SUMSQ_MIN_NUMEL and t.is_contiguous() and t.dtype in _HP_KIND] \
-        if use_triton else []
-    big_ids = {id(t) for t in big}  # by identity: tensors do not compare as keys
-    small = [t for t in tensors if id(t) not in big_ids]
-    total: torch.Tensor | None = None
-    if small:
-        norms = torch._foreach_norm(small, 2, dtype=torch.float32)  # float32: no bf16 rounding of each norm
-        total = torch.stack(norms).square().sum()
-    if big:
-        kernels = _triton()
-        if kernels is None:
-            raise RuntimeError("backend='triton' but Triton cannot be imported")
-        sumsq_kernel = kernels[1]
-        shapes = [_launch_shape(t.numel(), device) for t in big]
-        need = sum(g for g, _ in shapes)
-        if partials is None or partials.numel() < need or partials.device != device:
-            partials = torch.empty(need, dtype=torch.float32, device=device)
-        at = 0
-        for t, (g, iters) in zip(big, shapes, strict=True):
-            sumsq_kernel[(g,)](t.reshape(-1), partials[at:], t.numel(), BLOCK=_BLOCK, ITERS=iters, num_warps=8)
-            at += g
-        part = partials[:need].sum()
-        total = part if total is None else total + part
-    assert total is not None
-    out.copy_(total.reshape(out.shape))
-    return partials
+
+@functools.cache
+def _table_kernels() -> Any:
+    """The kernels that read many tensors in one launch through a device table of their addresses,
+    or None when Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # not installed, or a broken install: the callers take their torch paths
+        return None
+
+    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
+    def table_sumsq_kernel(ptrs_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, out_ptr, n_blocks,  # type: ignore[no-untyped-def]
+                           DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        # Many tensors in one launch: program pid reads blocks pid*ITERS .. pid*ITERS+ITERS-1 of the
+        # block table (tensor index, start), the tensor's address from the pointer table.
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(ITERS):
+            b = pid * ITERS + i
+            valid = b < n_blocks
+            t = tl.load(blk_tensor_ptr + b, mask=valid, other=0)
+            start = tl.load(blk_start_ptr + b, mask=valid, other=0)
+            n = tl.load(numel_ptr + t)
+            base = tl.load(ptrs_ptr + t).to(tl.pointer_type(DTYPE))
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=(offs < n) & valid, other=0.0).to(tl.float32)
+            acc += x * x
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))  # one partial per program: deterministic
+
+    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
+    def history_gather_kernel(table_ptr, fp8_max_ptr, div_ptr, mask_ptr, in_use_ptr, out_ptr,  # type: ignore[no-untyped-def]
+                              n, max_len, out_amax, out_scale, out_hmax, out_col,
+                              BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+        # Column c: its history slot at table[0, c] (address of row 0), table[1, c] rows of stride
+        # table[2, c] elements, its live scale at table[3, c]. One program per BLOCK_C columns.
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        valid = cols < n
+        base = tl.load(table_ptr + cols, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+        length = tl.load(table_ptr + n + cols, mask=valid, other=1)
+        stride = tl.load(table_ptr + 2 * n + cols, mask=valid, other=0)
+        scale_at = tl.load(table_ptr + 3 * n + cols, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+        scale_now = tl.load(scale_at, mask=valid, other=1.0)
+        latest = tl.load(base + (length - 1) * stride, mask=valid, other=0.0)
+        top = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        nan = tl.zeros([BLOCK_C], dtype=tl.int32)
+        for r0 in range(0, max_len, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            inside = (rows[:, None] < length[None, :]) & valid[None, :]
+            x = tl.load(base[None, :] + rows[:, None] * stride[None, :], mask=inside, other=float("-inf"))
+            # torch's amax propagates NaN; a NaN-free max plus a NaN flag gives that on every backend
+            nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
+            top = tl.maximum(top, tl.max(tl.where(x != x, float("-inf"), x), axis=0))
+        hmax = tl.where(nan > 0, float("nan"), top)
+        # history length 1: TE zeroed the only row after using it; the amax is fp8_max / (scale * 2**margin)
+        derived = tl.math.div_rn(tl.load(fp8_max_ptr + cols, mask=valid, other=1.0),
+                                 scale_now * tl.load(div_ptr + cols, mask=valid, other=1.0))
+        single = length == 1
+        amax = tl.where(single, derived, latest)
+        hmax = tl.where(single, derived, hmax)
+        keep = tl.load(mask_ptr + cols, mask=valid, other=1.0)
+        in_use = tl.load(in_use_ptr + cols, mask=valid, other=0.0)
+        tl.store(out_ptr + out_amax + cols * out_col, amax * keep, mask=valid)
+        tl.store(out_ptr + out_hmax + cols * out_col, hmax * keep, mask=valid)
+        tl.store(out_ptr + out_scale + cols * out_col, in_use, mask=valid)
+        tl.store(in_use_ptr + cols, scale_now, mask=valid)
+
+    return table_sumsq_kernel, history_gather_kernel
 
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_PINNED_SLOTS = 8
-"""Host pointer tables in flight at once: the host runs at most this many steps ahead of the device
-before a call falls back (it never waits)."""
-_data_ptr = methodcaller("data_ptr")
-_is_contiguous = methodcaller("is_contiguous")
-_dtype = attrgetter("dtype")
+_STAGING_SLOTS = 8
+"""Host staging buffers in flight at once: a table re-pointed more often than this many times
+while the device is behind is not re-pointed on that call (it never waits)."""
+
+
+class _Staging:
+    """Uploads an int64 table to the device without a host sync: pinned host buffers, each with
+    its own event (created once), written with C-level slice assignment and copied non-blocking.
+    On the CPU (Triton's interpreter) the table is written in place."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        n = table.numel()
+        self._cuda = table.device.type == "cuda"
+        if self._cuda:
+            self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(_STAGING_SLOTS)]
+            self._events = [torch.cuda.Event() for _ in range(_STAGING_SLOTS)]  # type: ignore[no-untyped-call]
+            self._used = [False] * _STAGING_SLOTS
+            self._words = [(ctypes.c_int64 * n).from_address(h.data_ptr()) for h in self._host]
+        else:
+            self._words = [(ctypes.c_int64 * n).from_address(table.data_ptr())]
+        self._slot = 0
+
+    def upload(self, values: Sequence[int]) -> bool:
+        """Enqueue the copy of ``values`` into the table; False (nothing enqueued) while the
+        next staging buffer is still being copied from (a query, never a wait)."""
+        if not self._cuda:
+            self._words[0][:] = values
+            return True
+        j = self._slot
+        if self._used[j] and not self._events[j].query():
+            return False
+        self._words[j][:] = values
+        self.table.copy_(self._host[j], non_blocking=True)
+        self._events[j].record()
+        self._used[j] = True
+        self._slot = (j + 1) % _STAGING_SLOTS
+        return True
 
 
 class TableSumOfSquares:
     """``sum(t.float()**2)`` over a fixed list of tensor shapes of one dtype, in one Triton launch.
 
-    Built once for the shapes (e.g. every gradient of a model): a device table of blocks (tensor
-    index, start) and of sizes; per call only the tensors' addresses travel, through pinned host
-    buffers and a non-blocking copy (the tensors may be new each step, as gradients after
-    ``zero_grad(set_to_none=True)`` are). One program per group of consecutive blocks, one partial
-    each: deterministic. :meth:`__call__` returns None instead of waiting when it cannot run now
-    (the host is ``_PINNED_SLOTS`` steps ahead, a tensor is not contiguous or has another dtype):
-    the caller then takes another path for that call. No host sync.
+    Built once for the shapes (e.g. every gradient of a model): device tables of blocks (tensor
+    index, start), of sizes and of the tensors' addresses. The addresses travel only when they
+    change (:meth:`point`, through :class:`_Staging`: no host sync); a call then costs one launch
+    and one sum, whatever the number of tensors. One program per group of consecutive blocks,
+    one partial each: deterministic. The caller guarantees that the tensors at the addresses
+    pointed to are alive, contiguous, of this dtype and of these sizes at each call.
     """
 
     def __init__(self, numels: Sequence[int], dtype: torch.dtype, device: torch.device, *,
                  block: int = _BLOCK) -> None:
-        if _triton() is None:
+        if _table_kernels() is None:
             raise RuntimeError("TableSumOfSquares needs Triton")
         if dtype not in _TL_DTYPE:
             raise ValueError(f"TableSumOfSquares: unsupported dtype {dtype}")
@@ -298,7 +328,7 @@ class TableSumOfSquares:
                 tensor_of.append(i)
                 start_of.append(start)
         self.n_blocks = len(tensor_of)
-        self._count = len(numels)
+        self.count = len(numels)
         # As many programs as fill the GPU eight deep, each over an equal run of blocks (the
         # run length is exact, not a power of two: one compiled variant per model and dtype).
         index = device.index if device.index is not None else (
@@ -309,37 +339,79 @@ class TableSumOfSquares:
         self._blk_start = torch.tensor(start_of, dtype=torch.int64, device=device)
         self._numel = torch.tensor([int(n) for n in numels], dtype=torch.int64, device=device)
         self._partials = torch.empty(self._grid, dtype=torch.float32, device=device)
-        self._ptrs = torch.zeros(self._count, dtype=torch.int64, device=device)
-        cuda = device.type == "cuda"
-        self._host = [torch.zeros(self._count, dtype=torch.int64, pin_memory=True) for _ in range(_PINNED_SLOTS)] \
-            if cuda else []
-        self._uploaded: list[Any] = [None] * len(self._host)
-        self._slot = 0
+        self._staging = _Staging(torch.zeros(max(1, self.count), dtype=torch.int64, device=device))
+        self.pointed = False
+        """Whether the address table was filled at least once (before that, calls return None)."""
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """The sum of squares as a 0-d float32 device tensor, or None (see the class docstring)."""
-        if len(tensors) != self._count or not self.n_blocks:
+    def point(self, addresses: Sequence[int]) -> bool:
+        """Point the table at the tensors at ``addresses`` (one per shape, in order); False when
+        it could not be done now (see :class:`_Staging`): the previous addresses stay."""
+        if len(addresses) != self.count:
+            raise ValueError(f"TableSumOfSquares: {len(addresses)} addresses for {self.count} tensors")
+        done = self._staging.upload(addresses) if self.count else True
+        self.pointed = self.pointed or done
+        return done
+
+    def __call__(self) -> torch.Tensor | None:
+        """The sum of squares as a 0-d float32 device tensor (one launch, one sum); None before
+        the first :meth:`point` or without elements."""
+        if not self.pointed or not self.n_blocks:
             return None
-        if not all(map(_is_contiguous, tensors)) or set(map(_dtype, tensors)) != {self.dtype}:
-            return None
-        addresses = torch.tensor(list(map(_data_ptr, tensors)), dtype=torch.int64)
-        if self._host:
-            j = self._slot
-            done = self._uploaded[j]
-            if done is not None and not done.query():  # a query, not a wait
-                return None
-            self._host[j].copy_(addresses)
-            self._ptrs.copy_(self._host[j], non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            self._uploaded[j] = event
-            self._slot = (j + 1) % len(self._host)
-        else:  # CPU tensors (Triton's interpreter): the addresses are host memory
-            self._ptrs.copy_(addresses)
-        kernel = _triton()[2]
         import triton.language as tl
 
-        kernel[(self._grid,)](self._ptrs, self._blk_tensor, self._blk_start, self._numel, self._partials, self.n_blocks,
-                              DTYPE=getattr(tl, _TL_DTYPE[self.dtype]), BLOCK=self.block, ITERS=self._iters,
-                              num_warps=8)
+        _table_kernels()[0][(self._grid,)](
+            self._staging.table, self._blk_tensor, self._blk_start, self._numel, self._partials, self.n_blocks,
+            DTYPE=getattr(tl, _TL_DTYPE[self.dtype]), BLOCK=self.block, ITERS=self._iters, num_warps=8)
         return self._partials.sum()
+
+
+_GATHER_COLUMNS, _GATHER_ROWS = 32, 64
+"""History gather tile: columns per program, history rows per loop iteration."""
+
+
+class HistoryGather:
+    """Transformer Engine's delayed-scaling reads of ``n`` columns in one Triton launch.
+
+    Column ``c`` is one slot of a module's ``amax_history`` (``[L, slots]``, float32) and of its
+    ``scale``; a device table holds, per column, the address of the slot's first history row, the
+    history length, the row stride and the address of the slot's scale (:meth:`point`, when TE's
+    tensors move: through :class:`_Staging`, no host sync). Each call writes, per column: AMAX =
+    the last history row (length 1: ``fp8_max / (scale * div)``, TE having zeroed the row), the
+    history's maximum (NaN if any row is NaN, as ``torch.amax``), SCALE = ``in_use`` (the scale
+    seen at the previous call), and then ``in_use`` = the live scale; AMAX and the maximum are
+    multiplied by ``keep``. The caller keeps the pointed-to tensors alive.
+    """
+
+    def __init__(self, fp8_max: Sequence[float], div: Sequence[float], device: torch.device) -> None:
+        if _table_kernels() is None:
+            raise RuntimeError("HistoryGather needs Triton")
+        self.n = len(fp8_max)
+        self._fp8_max = torch.tensor(list(fp8_max), dtype=torch.float32, device=device)
+        self._div = torch.tensor(list(div), dtype=torch.float32, device=device)
+        self._staging = _Staging(torch.zeros(4 * max(1, self.n), dtype=torch.int64, device=device))
+        self._max_len = 0
+        self.pointed = False
+
+    def point(self, history_at: Sequence[int], lengths: Sequence[int], strides: Sequence[int],
+              scale_at: Sequence[int]) -> bool:
+        """Point the table at TE's tensors (addresses in bytes, lengths and strides in float32
+        elements, per column); False when it could not be done now (the caller reads another way)."""
+        if not (len(history_at) == len(lengths) == len(strides) == len(scale_at) == self.n):
+            raise ValueError("HistoryGather.point: one address, length, stride and scale address per column")
+        done = self._staging.upload([*history_at, *lengths, *strides, *scale_at])
+        if done:
+            self._max_len = max(lengths, default=1)
+            self.pointed = True
+        return done
+
+    def __call__(self, out: torch.Tensor, *, in_use: torch.Tensor, keep: torch.Tensor,
+                 rows: tuple[int, int, int]) -> None:
+        """Write rows ``rows`` = (AMAX, SCALE, HISTORY_MAX) of ``out`` (``[rows, n]``, any strides)."""
+        if not self.pointed:
+            raise RuntimeError("HistoryGather: point() first")
+        amax, scale, hmax = rows
+        grid = -(-self.n // _GATHER_COLUMNS)
+        _table_kernels()[1][(grid,)](
+            self._staging.table, self._fp8_max, self._div, keep, in_use, out, self.n, self._max_len,
+            amax * out.stride(0), scale * out.stride(0), hmax * out.stride(0), out.stride(1),
+            BLOCK_C=_GATHER_COLUMNS, BLOCK_R=_GATHER_ROWS, num_warps=4)

@@ -77,7 +77,6 @@ class Monitor:
         self._sources: list[Source] = []
         self._specs: list[TensorSpec] = []
         self._slices: list[slice] = []
-        self._params: list[nn.Parameter] = []
         self._grad_norm: GradNorm | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._ring: StepRing | None = None
@@ -143,11 +142,10 @@ class Monitor:
             self._healer = Healer(heal, monitor=self, model=model, optimizer=optimizer, scheduler=scheduler,
                                   sources=self._sources)
             self.handler = self._healer
-        self._params = [p for p in model.parameters() if p.requires_grad]
         # Under torch.distributed the norm feeds the tripwire's rank-shared bit, which must be
         # bit-identical on every rank: foreach always (the table kernel falls back to foreach on a
         # step where the host runs far ahead, which ranks would do at different steps).
-        self._grad_norm = GradNorm(self._params, backend="foreach" if self.world_size > 1 else "auto")
+        self._grad_norm = GradNorm(model.parameters(), backend="foreach" if self.world_size > 1 else "auto")
         self._optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._ring = StepRing(n_tensors=len(self._specs), fp8_max=[s.fp8_max for s in self._specs],
@@ -284,7 +282,7 @@ class Monitor:
         if loss is not None:
             _put(ring.scalars[i, LOSS], loss)
         if grad_norm is None and self.config.compute_grad_norm:
-            grad_norm = self._device_grad_norm()
+            grad_norm = self.grad_norm()
         if grad_norm is not None:
             _put(ring.scalars[i, GRAD_NORM], grad_norm)
         for src, sl in zip(self._sources, self._slices, strict=True):
@@ -335,7 +333,11 @@ class Monitor:
                 self._next_step = resume_step
                 self._arm_counts_for(self._next_step)
 
-    def _device_grad_norm(self) -> torch.Tensor | None:
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global L2 norm of the attached model's gradients now, on the device (no host sync;
+        None before ``attach`` or without gradients): the Monitor's one
+        :class:`~fp8guard.agent.telemetry.GradNorm`, built at ``attach`` (its tables too), for
+        integrations that record the norm at their own moment."""
         return self._grad_norm() if self._grad_norm is not None else None
 
     def _arm_counts_for(self, step: int) -> None:
@@ -475,9 +477,10 @@ def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
     """Global L2 norm of the gradients, computed on the device (no host sync); None without grads.
 
     One ``torch._foreach_norm`` over every gradient (multi-tensor kernels where they share a
-    dtype and device), then one stack and one norm. A loop calling this every step should build
-    a :class:`~fp8guard.agent.telemetry.GradNorm` once and call it instead (the Monitor does):
-    it groups the parameters by dtype once, so mixed dtypes keep the multi-tensor path."""
+    dtype and device), then one stack and one norm: for a one-off. A loop calling this every step
+    should build a :class:`~fp8guard.agent.telemetry.GradNorm` once and call it instead (the
+    Monitor does, :meth:`Monitor.grad_norm`): it groups the parameters once and, on CUDA with
+    Triton, builds its device tables once."""
     return norm_of_grads([p.grad for p in params if p.grad is not None])
 
 

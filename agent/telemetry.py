@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, is_
+from operator import attrgetter, is_, methodcaller
 from typing import Any, Literal
 
 import torch
@@ -86,6 +86,7 @@ class StepRing:
         self.counts = torch.zeros(capacity, len(COUNT_STATS), n_tensors, device=device)
         self.scalars = torch.zeros(capacity, 6, device=device)
         self.fp8_max = torch.tensor(list(fp8_max), dtype=torch.float32, device=device)
+        self._saturation = torch.empty(n_tensors, device=device)
         self._reset()
 
     def _reset(self) -> None:
@@ -119,8 +120,10 @@ class StepRing:
         self.tokens.append(tokens)
 
     def saturation(self, i: int) -> torch.Tensor:
-        """Slot ``i``'s saturation ratios (``amax x scale / fp8_max``), on the device."""
-        return self.stats[i, AMAX] * self.stats[i, SCALE] / self.fp8_max
+        """Slot ``i``'s saturation ratios (``amax x scale / fp8_max``), on the device, in a buffer
+        the next call overwrites (the tripwire reads it at once)."""
+        torch.mul(self.stats[i, AMAX], self.stats[i, SCALE], out=self._saturation)
+        return torch.div(self._saturation, self.fp8_max, out=self._saturation)
 
     def drain(self) -> FlushPacket:
         """Enqueue the device-to-host copy of what was recorded and start a new interval.
@@ -151,37 +154,60 @@ class StepRing:
 
 
 _grad = attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_is_contiguous = methodcaller("is_contiguous")
+_dtype = attrgetter("dtype")
 
 
 class GradNorm:
-    """The global L2 norm of the parameters' gradients, on the device, with host work that does
-    not grow with the number of layers beyond a C-level walk over the parameters.
+    """The global L2 norm of the parameters' gradients, on the device, with per-step host work
+    that does not grow with the number of layers beyond one C-level walk over the parameters.
 
-    One ``torch._foreach_norm`` (a multi-tensor kernel: a few launches whatever the number of
-    tensors) per (device, dtype) group of parameters, grouped once at construction, then one
-    stack and one norm. Per-tensor norms are float32 (bf16 norms would carry bf16 rounding). The
-    result is the same value, bit for bit, as ``vector_norm(stack(_foreach_norm(grads)))`` over
-    the gradients in parameter order: with several groups their norms are put back in that order
-    on the device (one index select). No host sync.
+    ``backend="foreach"``: one ``torch._foreach_norm`` (a multi-tensor kernel) per (device, dtype)
+    group of parameters, grouped once at construction, then one stack and one norm. Per-tensor
+    norms are float32 (bf16 norms would carry bf16 rounding). The result is the same value, bit
+    for bit, as ``vector_norm(stack(_foreach_norm(grads)))`` over the gradients in parameter
+    order: with several groups their norms are put back in that order on the device (one index
+    select). No host sync.
+
+    ``backend="table"``: one Triton launch per dtype group over device tables built once
+    (:class:`~fp8guard.agent.kernels.TableSumOfSquares`), a sum and a square root. Per call the
+    host reads every gradient's address at C speed (``map``, no Python loop) and compares the
+    list with the one the tables point at; only when it differs are the tables re-pointed (the
+    new gradients checked for contiguity, dtype and size, the addresses uploaded without a host
+    sync). Why every call and not every N calls: after ``zero_grad(set_to_none=True)`` autograd
+    allocates new gradients each step; the caching allocator usually hands back the same
+    addresses, but nothing guarantees it, and a table pointing at freed memory would read
+    another tensor's values or, after ``torch.cuda.empty_cache()``, unmapped memory (a CUDA
+    error that ends the run). Holding the old gradients to keep the memory valid would double
+    the gradients' memory. So the addresses are compared each call (about 0.1-0.3 us per
+    parameter on a CPU, the only per-call work that grows with the model), and uploaded rarely.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *,
                  backend: Literal["auto", "foreach", "table"] = "auto") -> None:
-        """``backend="table"``: each group's sum of squares in one Triton launch over a device
-        table of the gradients (:class:`~fp8guard.agent.kernels.TableSumOfSquares`; CUDA with
-        Triton, or Triton's CPU interpreter). Its value differs from the foreach path in the
-        float32 summation order (both within 1.1e-7 of a float64 norm on the H200); a call it
-        cannot serve takes the foreach path. ``"auto"`` (the default): the table where every
-        gradient is on a CUDA device with Triton, else foreach. Calibration (H200, TE, bf16
-        gradients, ``docs/gpu.md``): the table norm took 0.35-2.4 ms of GPU time against
-        foreach's 0.83-6.3 ms for 151M-1.2B parameters, and the 604M model's monitored step
-        1.0029x the plain one against 1.0070x with foreach, side by side."""
+        """``backend="table"`` needs CUDA with Triton, or Triton's CPU interpreter. Its value
+        differs from the foreach path in the float32 summation order (both within 1.1e-7 of a
+        float64 norm on the H200); a call it cannot serve (a parameter without a gradient, a
+        non-contiguous gradient, the host ``_STAGING_SLOTS`` re-pointings ahead of the device)
+        takes the foreach path. ``"auto"`` (the default): the table where every parameter is
+        on a CUDA device with Triton, else foreach. Calibration (H200, TE, bf16 gradients,
+        ``docs/gpu.md``): the table norm took 0.35-2.4 ms of GPU time against foreach's
+        0.83-6.3 ms for 151M-1.2B parameters, and the 604M model's monitored step 1.0029x the
+        plain one against 1.0070x with foreach, side by side."""
         self._params = [p for p in params if p.requires_grad]
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(self._params):
             groups.setdefault((p.device, p.dtype), []).append(i)
         self._groups = list(groups.values())
+        self._keys = list(groups)
         self._tables: list[TableSumOfSquares] = []
+        self._numels = [p.numel() for p in self._params]
+        self._pointed: list[int] | None = None
+        """The gradient addresses the tables point at (None: not pointed yet)."""
+        self.repointed = 0
+        """How many calls re-pointed the tables (new gradient addresses)."""
         if backend == "auto":
             backend = "table" if groups and all(d.type == "cuda" and triton_available(d) for d, _ in groups) \
                 else "foreach"
@@ -189,9 +215,10 @@ class GradNorm:
             for (device, dtype), members in groups.items():
                 if not triton_available(device):
                     raise ConfigError(f"grad norm backend 'table' needs Triton for {device} tensors")
-                self._tables.append(TableSumOfSquares([self._params[i].numel() for i in members], dtype, device))
+                self._tables.append(TableSumOfSquares([self._numels[i] for i in members], dtype, device))
         elif backend != "foreach":
             raise ConfigError(f"grad norm backend must be 'auto', 'foreach' or 'table', got {backend!r}")
+        self.backend: Literal["foreach", "table"] = backend
         order = [i for members in self._groups for i in members]
         self._inverse: torch.Tensor | None = None
         if len(self._groups) > 1:
@@ -202,19 +229,45 @@ class GradNorm:
 
     def __call__(self) -> torch.Tensor | None:
         """The norm as a 0-d float32 device tensor; None when no parameter has a gradient."""
+        if self._tables:
+            try:  # C-level walk; a parameter without a gradient raises here (None has no data_ptr)
+                ptrs: list[int] | None = list(map(_data_ptr, map(_grad, self._params)))
+            except (TypeError, RuntimeError):  # None, or a gradient without storage
+                ptrs = None
+            if ptrs is not None and (ptrs == self._pointed or self._repoint(ptrs)):
+                return self._table_norm()
+        return self._foreach()
+
+    def _repoint(self, ptrs: list[int]) -> bool:
+        """The gradients moved (or this is the first call): check them and re-point the tables."""
+        grads: list[Any] = list(map(_grad, self._params))
+        if not all(map(_is_contiguous, grads)) or list(map(_numel, grads)) != self._numels:
+            return False
+        for table, members, (_, dtype) in zip(self._tables, self._groups, self._keys, strict=True):
+            if any(grads[i].dtype != dtype or grads[i].device != table.device for i in members):
+                return False
+            if not table.point([ptrs[i] for i in members]):
+                self._pointed = None  # some tables may point at the new gradients: re-point all next call
+                return False
+        self._pointed = ptrs
+        self.repointed += 1
+        return True
+
+    def _table_norm(self) -> torch.Tensor:
+        sums = [table() for table in self._tables]
+        present = [x for x in sums if x is not None]
+        if not present:  # every gradient is empty
+            return torch.zeros((), dtype=torch.float32, device=self._tables[0].device)
+        first = present[0]
+        squares = first if len(present) == 1 else torch.stack([x.to(first.device) for x in present]).sum()
+        return squares.sqrt()
+
+    def _foreach(self) -> torch.Tensor | None:
         grads: list[Any] = list(map(_grad, self._params))
         if not grads:
             return None
         if any(map(is_, grads, repeat(None))):
             return _ordered_norm([g for g in grads if g is not None])
-        if self._tables:
-            sums = [table(grads if len(self._groups) == 1 else [grads[i] for i in members])
-                    for table, members in zip(self._tables, self._groups, strict=True)]
-            if all(x is not None for x in sums):
-                first = sums[0]
-                assert first is not None
-                squares = first if len(sums) == 1 else torch.stack([x.to(first.device) for x in sums if x is not None]).sum()
-                return squares.sqrt()
         if self._inverse is None:  # one group: one device
             total: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
             return total

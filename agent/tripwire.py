@@ -28,8 +28,8 @@ Two reads of each verdict, for two purposes:
 The verdict has two bits. ``SHARED``: the gradient norm (non-finite or a jump). Under
 torch.distributed it is computed after the gradient all-reduce (DDP), or passed in as the global
 norm (FSDP/tensor parallel: what ``clip_grad_norm_`` returns), so it is the same number on every
-rank; the norm kernels are deterministic (no atomics: ``kernels.sum_of_squares_into``) and the
-baseline is updated from that number alone, so every rank's ``SHARED`` bit is identical, and
+rank; the norm is computed the same way on every rank (foreach under torch.distributed, a
+deterministic reduction) and the baseline is updated from that number alone, so every rank's ``SHARED`` bit is identical, and
 only it may start a collective. ``LOCAL``: the loss and the saturation ratios, which differ per
 rank (each rank's loss is its own micro-batch's; the emulation, torchao and TE's current
 scaling keep per-rank amaxes; only TE's delayed scaling all-reduces them, and whether it does
@@ -119,9 +119,24 @@ class Tripwire:
         self._bit_values = torch.tensor([LOCAL, SHARED], dtype=torch.int32, device=device)
         self._factors = torch.tensor([self.loss_factor, self.grad_factor], device=device)
         self._nan = torch.full((), float("nan"), device=device)
-        self._false = torch.zeros((), dtype=torch.bool, device=device)
         self._present = torch.eye(2, dtype=torch.bool, device=device)
         """Row i: only quantity i was passed."""
+        self._bound_mul = torch.tensor([1.0, self.early_grad_factor], device=device)
+        self._bound_abs = torch.tensor([self.early_loss_rise, 0.0], device=device)
+        self._lowers = torch.tensor([False, True], device=device)
+        """Only the gradient norm's reference follows a lower value (the loss keeps its first)."""
+        # Every intermediate of the check, allocated once: a step's check writes into these
+        # (``out=``) and allocates nothing.
+        self._x = torch.empty(2, device=device)
+        self._f = [torch.empty(2, device=device) for _ in range(2)]
+        self._b = {name: torch.empty(2, dtype=torch.bool, device=device)
+                   for name in ("finite", "warm", "cold", "first", "later", "jump", "over", "early", "lower", "take",
+                                "ok", "tripped")}
+        self._i = torch.empty(2, dtype=torch.int32, device=device)
+        self._bits = torch.zeros((), dtype=torch.int32, device=device)
+        self._sat_bit = torch.zeros((), dtype=torch.int32, device=device)
+        self._sat_any = torch.zeros((), dtype=torch.bool, device=device)
+        self._sat_over: torch.Tensor | None = None
         cuda = device.type == "cuda"
         # One word per check that can be pending: the lag's worth, the one just enqueued, and a spare.
         self._capacity = self.lag_steps + 2
@@ -153,7 +168,13 @@ class Tripwire:
         self._next_tick = tick + 1
         bits = self._scalar_bits(loss if self.use_loss else None, grad_norm)
         if saturation is not None and saturation.numel():
-            bits = bits | ((torch.nan_to_num(saturation, nan=0.0) > self.saturation).any().int() * LOCAL)
+            over = self._sat_over
+            if over is None or over.shape != saturation.shape:
+                over = self._sat_over = torch.empty(saturation.shape, dtype=torch.bool, device=self.device)
+            torch.gt(saturation, self.saturation, out=over)  # NaN compares false: not a trip
+            torch.any(over, out=self._sat_any)
+            torch.mul(self._sat_any, LOCAL, out=self._sat_bit)
+            torch.bitwise_or(bits, self._sat_bit, out=bits)
         if self.all_reduce and dist.is_available() and dist.is_initialized():
             # One element, enqueued on the device with NCCL (no host sync); every rank checks at
             # every boundary, so every rank enters it.
@@ -178,31 +199,57 @@ class Tripwire:
         2-vector (a fixed, small number of device ops whatever is passed), updating their
         baselines and early references. A missing quantity is NaN here and changes nothing."""
         present = [loss is not None, grad_norm is not None]
+        bits = self._bits
         if not any(present):
-            return torch.zeros((), dtype=torch.int32, device=self.device)
-        x = torch.stack([v.detach().reshape(()).float() if v is not None else self._nan
-                         for v in (loss, grad_norm)])
-        finite = torch.isfinite(x)
+            return bits.zero_()
+        x, (t, u), b = self._x, self._f, self._b
+        for k, v in enumerate((loss, grad_norm)):  # two fixed slots, not a walk over anything
+            x[k].copy_(v.detach().reshape(()) if v is not None else self._nan)
         seen, base, ref = self._seen, self._baseline, self._early_ref
-        warm = seen >= self.warmup_steps
-        first = seen == 0
-        jump = warm & (x > self._factors * base)
+        torch.sub(x, x, out=t)
+        torch.eq(t, 0.0, out=b["finite"])  # x - x is 0 exactly where x is finite
+        torch.ge(seen, self.warmup_steps, out=b["warm"])
+        torch.lt(seen, self.warmup_steps, out=b["cold"])
+        torch.eq(seen, 0.0, out=b["first"])
+        torch.ne(seen, 0.0, out=b["later"])
+        torch.mul(self._factors, base, out=t)
+        torch.gt(x, t, out=b["jump"])
+        torch.logical_and(b["jump"], b["warm"], out=b["jump"])
         # before the warm-up: the loss over its first value by the early rise, the gradient norm
         # over the early factor times its smallest value, ``early_steps`` checks in a row
-        bound = torch.stack([ref[0] + self.early_loss_rise * ref[0].abs(), self.early_grad_factor * ref[1]])
-        over = finite & ~warm & ~first & (x > bound)
-        self._early_run.copy_(torch.where(over, self._early_run + 1, torch.zeros_like(x)))
-        early = self._early_run >= self.early_steps
-        lower = torch.stack([self._false, x[1] < ref[1]])
-        self._early_ref.copy_(torch.where(finite & (first | lower), x, ref))
-        ok = finite & ~jump
-        new = torch.where(first, x, base + _EMA * (x - base))
-        self._baseline.copy_(torch.where(ok, new, base))
-        self._seen.copy_(seen + ok.float())
-        tripped = ~finite | jump | early
+        torch.abs(ref, out=t)
+        torch.mul(t, self._bound_abs, out=t)
+        torch.mul(ref, self._bound_mul, out=u)
+        torch.add(u, t, out=u)  # [ref0 + rise * |ref0|, factor * ref1]
+        torch.gt(x, u, out=b["over"])
+        for mask in ("finite", "cold", "later"):
+            torch.logical_and(b["over"], b[mask], out=b["over"])
+        run = self._early_run
+        torch.add(run, 1.0, out=t)
+        torch.mul(t, b["over"], out=run)  # the run grows while over, else 0 (finite counts: exact)
+        torch.ge(run, self.early_steps, out=b["early"])
+        torch.lt(x, ref, out=b["lower"])
+        torch.logical_and(b["lower"], self._lowers, out=b["lower"])
+        torch.logical_or(b["first"], b["lower"], out=b["take"])
+        torch.logical_and(b["take"], b["finite"], out=b["take"])
+        torch.where(b["take"], x, ref, out=ref)
+        torch.logical_not(b["jump"], out=b["ok"])
+        torch.logical_and(b["ok"], b["finite"], out=b["ok"])
+        torch.sub(x, base, out=t)
+        torch.mul(t, _EMA, out=t)
+        torch.add(base, t, out=t)
+        torch.where(b["first"], x, t, out=t)  # the new average
+        torch.where(b["ok"], t, base, out=base)
+        torch.add(seen, b["ok"], out=seen)
+        tripped = b["tripped"]
+        torch.logical_not(b["finite"], out=tripped)
+        torch.logical_or(tripped, b["jump"], out=tripped)
+        torch.logical_or(tripped, b["early"], out=tripped)
         if not all(present):  # a quantity not passed is NaN here: it must not trip
-            tripped = tripped & self._present[present.index(True)]
-        return (tripped.int() * self._bit_values).sum().to(torch.int32)
+            torch.logical_and(tripped, self._present[present.index(True)], out=tripped)
+        torch.mul(tripped, self._bit_values, out=self._i)
+        torch.sum(self._i, dim=0, dtype=torch.int32, out=bits)
+        return bits
 
     # -- the host side ------------------------------------------------------------------------
 

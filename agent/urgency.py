@@ -156,7 +156,7 @@ class CommandBoundary:
         """The gradient norm as ``Monitor._record`` gives it to the tripwire (float32 on the
         device), for ranks that do not record."""
         if grad_norm is None:
-            return self._m._device_grad_norm() if self._m.config.compute_grad_norm else None
+            return self._m.grad_norm() if self._m.config.compute_grad_norm else None
         if isinstance(grad_norm, torch.Tensor):
             return grad_norm.detach().reshape(()).to(device=device, dtype=torch.float32, non_blocking=True)
         return torch.full((), float(grad_norm), dtype=torch.float32, device=device)

@@ -232,7 +232,7 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         if env.cuda:
             peak = max(peak, int(torch.cuda.max_memory_allocated()) - base)
         t0 = time.perf_counter()
-        monitor._device_grad_norm()
+        monitor.grad_norm()
         norm_us.append(_us_since(t0))
         env.sync()
         t0 = time.perf_counter()

@@ -201,7 +201,7 @@ def main() -> None:
             # (loss copy, TE read, ring writes) with that norm handed in.
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
             ev[0].record()
-            gn = monitor._device_grad_norm()
+            gn = monitor.grad_norm()
             ev[1].record()
             monitor.step(loss, grad_norm=gn)
             ev[2].record()

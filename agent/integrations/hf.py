@@ -88,7 +88,7 @@ from fp8guard.agent.integrations._common import (
     write_state,
 )
 from fp8guard.agent.integrations._hf_heal import TrainerHealer
-from fp8guard.agent.monitor import Monitor, device_grad_norm
+from fp8guard.agent.monitor import Monitor
 from fp8guard.agent.transport import Transport
 
 try:
@@ -140,7 +140,6 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self._transport = transport
         self._handler = handler
         self._hook: torch.utils.hooks.RemovableHandle | None = None
-        self._params: list[torch.nn.Parameter] = []
         self._clipping = False
         self._loss_sum: torch.Tensor | None = None
         self._loss_n = 0
@@ -194,7 +193,6 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self.healer = healer
         align_rank(monitor, int(args.process_index), int(args.world_size), "the Trainer")
         self.monitor, self._live = monitor, True
-        self._params = [p for p in model.parameters() if p.requires_grad]
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self._pending, self._loss_sum, self._loss_n = None, None, 0
         self._norm, self._replay = None, None
@@ -322,7 +320,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
         self._loss_sum, self._loss_n, self._norm, self._replay = None, 0, None, None
         try:
             if norm is None and self.config.compute_grad_norm and not self._clipping:
-                norm = device_grad_norm(self._params)
+                norm = monitor.grad_norm()  # the Monitor's one GradNorm, built at attach
             groups = getattr(optimizer, "param_groups", None)
             lr = groups[0].get("lr") if groups else None
         except Exception:  # monitoring must never take training down

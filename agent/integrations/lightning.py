@@ -65,7 +65,7 @@ from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.harm import LossFn
 from fp8guard.agent.integrations._common import align_rank, config_with_token, loss_in
 from fp8guard.agent.integrations._lightning_heal import LightningHealer
-from fp8guard.agent.monitor import Monitor, device_grad_norm
+from fp8guard.agent.monitor import Monitor
 from fp8guard.agent.transport import Transport
 
 try:
@@ -115,7 +115,6 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         self._handler = handler
         self._restored: dict[str, Any] | None = None
         self._resumed_from: int | None = None
-        self._params: list[torch.nn.Parameter] = []
         self._optimizer: Any = None
         self._loss: torch.Tensor | None = None
         self._batches = 0
@@ -150,7 +149,6 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         align_rank(monitor, int(trainer.global_rank), int(trainer.world_size), "Lightning")
         self.monitor, self._live = monitor, True
         self._optimizer = optimizer
-        self._params = [p for p in pl_module.parameters() if p.requires_grad]
         self._loss, self._batches, self._pending, self._batch = None, 0, None, None
         if self._resumed_from is not None:
             monitor.event(wire.EventKind.RUN_RESUMED, data={"global_step": self._resumed_from})
@@ -201,14 +199,14 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
         if not self._live or getattr(optimizer, "optimizer", optimizer) is not self._optimizer:
             return
         step = int(trainer.global_step)
-        try:
-            norm = device_grad_norm(self._params) if self.config.compute_grad_norm else None
+        monitor = self.monitor
+        try:  # the Monitor's one GradNorm, built at attach
+            norm = monitor.grad_norm() if self.config.compute_grad_norm and monitor is not None else None
             groups = getattr(optimizer, "param_groups", None)
             lr = groups[0].get("lr") if groups else None
         except Exception:  # monitoring must never take training down
             log.exception("fp8guard: reading the gradient norm failed; this step goes without it")
             norm, lr = None, None
-        monitor = self.monitor
         if not pl_module.automatic_optimization or monitor is None:
             self._pending = (step, norm, lr)  # recorded in on_train_batch_end
             return

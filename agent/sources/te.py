@@ -259,6 +259,8 @@ class TESource:
                 continue
             self._switch(module, enabled, reset=True)
         self._update_fp8_mask()
+        if self._delayed is not None:
+            self._delayed.refresh()  # TE's reset copies in place today; the next read checks every entry anyway
 
     def _switch(self, module: nn.Module, enabled: bool, *, reset: bool) -> None:
         wrapped = "_fp8guard_forward" in module.__dict__
@@ -316,6 +318,8 @@ class TESource:
             self._fp8_mask = mask
             if self._inspect is not None and armed is not None:
                 self._inspect.armed = armed
+            if self._delayed is not None:
+                self._delayed.refresh()
 
     @property
     def _fp8_mask(self) -> torch.Tensor | None:
@@ -350,6 +354,8 @@ class TESource:
         """Remove the module hooks (the source reads nothing afterwards)."""
         self._hooks.remove()
         self._sentinel.remove()
+        if self._delayed is not None:
+            self._delayed.close()
         self.stop_counting()
 
 

@@ -7,11 +7,26 @@ with ``amax_history_len == 1`` TE zeroes that row at once, so AMAX = ``fp8_max /
 2**margin)`` from the new scale; SCALE = the scale seen at the previous read (the one in use when
 that amax was measured); HISTORY_MAX = max over the stored history.
 
-Host work per read does not grow with the model: TE's tensors live at stable addresses, so the
-reader keeps them from attach and gathers every module with a fixed handful of device ops
-(one concatenation of the scales, one of the histories per history length, two index selects);
-per step it only checks, at C speed, that TE still holds the same tensors (a recipe change or
-``adjust_amax_history_length`` reallocates them: then it re-plans, or stops with an error).
+Host work per read does not grow with the model. TE updates these tensors in place (the amax
+reduction copies back into them, ``fused_amax_and_scale_update_after_reduction`` rolls the
+history and writes the scale in place, ``reset_fp8_meta_tensors`` and, when the recipe state
+matches, ``set_extra_state`` on checkpoint load copy into them), so the reader keeps them from
+attach. Where Triton runs (CUDA; the CPU under ``TRITON_INTERPRET=1``) one launch over a device
+table of their addresses writes every column (:class:`~fp8guard.agent.kernels.HistoryGather`);
+elsewhere a fixed handful of device ops (one concatenation of the scales, one of the histories
+per history length, two index selects).
+
+TE does reallocate them on a recipe change, on ``adjust_amax_history_length`` (a new history
+length; TE's own docstring warns "this changes the underlying amax memory location") and, in
+older TE releases, on every checkpoint load (``set_extra_state`` re-initialised the state). So the
+reader checks that TE still holds the same tensors: after any ``load_state_dict`` of a monitored
+module (a post-hook sets a flag), after the source's own BF16 switches and probes, and otherwise
+``_VERIFY_PER_READ`` entries per read in rotation, a fixed cost instead of a walk over every
+module each step. A reallocation inside a forward (recipe or history length changed mid-run) is
+thus seen within ``ceil(entries / _VERIFY_PER_READ)`` reads (18 reads for a 96-layer
+``TransformerLayer`` stack, a few steps for smaller models); until then the read reports the
+tensors TE left, which the reader still holds, so the memory it reads stays valid. Once seen it
+re-points the table (or re-plans), or stops with an error when the state is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from fp8guard.agent.kernels import HistoryGather, triton_available
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, TensorSpec
 from fp8guard.agent.sources.te_layout import (
     BOUNDARY,
@@ -48,6 +64,11 @@ log = logging.getLogger("fp8guard.agent")
 
 Entry = tuple[str, nn.Module, str, Side]
 """(module name, module, kind, side): one RecipeState of TE."""
+
+_VERIFY_PER_READ = 32
+"""Entries whose tensors a read checks, in rotation (see the module docstring): 32 keeps the check
+a few microseconds while a 12-layer stack (72 entries) is covered every 3 reads."""
+_FLOAT32_BYTES = 4
 
 
 def delayed_columns(ready: list[tuple[str, nn.Module, str]], boundary_slots: str) -> tuple[list[Entry], list[Column]]:
@@ -148,11 +169,52 @@ class DelayedReader:
         self._gather: _Gather | None = None
         self.fp8_mask: torch.Tensor | None = None
         """1 per column in FP8, 0 where the module is in BF16 fallback (None: all in FP8)."""
+        self._version = 0
+        """Bumped whenever TE's tensors are found reallocated (the table then re-points)."""
+        self._dirty = False
+        self._cursor = 0
         hists, scales = self.live_state()
         plan = self._plan_for(hists)
         # The scale a completed amax was measured with is the one from before the update that
         # consumed it: the scale seen at the previous read (here: at attach).
         self._scale_in_use = torch.cat([scales[e] for e in plan.order]).index_select(0, plan.index)
+        self._table: HistoryGather | None = None
+        self._table_version = -1
+        if triton_available(device) and columns:
+            self._table = HistoryGather([c.spec.fp8_max for c in columns], [2.0 ** c.margin for c in columns], device)
+            self._keep = torch.ones(len(columns), dtype=torch.float32, device=device)
+        # A checkpoint load may reallocate TE's state (older TE always did): check it at the next read.
+        modules = {id(m): m for _, m, _, _ in entries}
+        self._load_hooks = [m.register_load_state_dict_post_hook(self._loaded) for m in modules.values()]
+
+    def _loaded(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self._dirty = True
+
+    def refresh(self) -> None:
+        """Check every entry's tensors at the next read (the source switched or probed modules)."""
+        self._dirty = True
+
+    def close(self) -> None:
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = []
+
+    def _state_for_read(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """TE's tensors, checked in full when flagged, else ``_VERIFY_PER_READ`` entries in rotation."""
+        metas = self._metas
+        if metas is None or self._dirty or not self._hists:
+            self._dirty = False
+            return self.live_state()
+        lo = self._cursor
+        hi = lo + _VERIFY_PER_READ
+        self._cursor = hi if hi < len(metas) else 0
+        try:  # C-level loops over a fixed-size window
+            states = list(map(dict.get, metas[lo:hi], self._keys[lo:hi]))
+            same = all(map(is_, map(getattr, states, repeat("amax_history")), self._hists[lo:hi])) and \
+                all(map(is_, map(getattr, states, repeat("scale")), self._scales[lo:hi]))
+        except (AttributeError, TypeError):  # a state is gone: the checked path says which
+            same = False
+        return (self._hists, self._scales) if same else self.live_state()
 
     def live_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """TE's amax histories and scales of every entry (raises if TE dropped one)."""
@@ -176,6 +238,7 @@ class DelayedReader:
             hists.append(hist)
             scales.append(scale)
         self._hists, self._scales, self._gather = hists, scales, None
+        self._version += 1
         return hists, scales
 
     def live_scale(self, col: Column) -> torch.Tensor:
@@ -221,9 +284,37 @@ class DelayedReader:
         self._plans[key] = plan
         return plan
 
+    def _point_table(self, hists: list[torch.Tensor], scales: list[torch.Tensor]) -> bool:
+        """Point the gather table at TE's current tensors (once per reallocation); False where
+        the table cannot read them (not float32 on the reader's device) or cannot be re-pointed now."""
+        table = self._table
+        if table is None:
+            return False
+        if self._table_version == self._version:
+            return True
+        ok = all(t.dtype == torch.float32 and t.device == self._device for t in (*hists, *scales)) and \
+            all(h.dim() == 2 for h in hists) and all(s.dim() == 1 for s in scales)
+        if not ok:
+            return False
+        cols = self._columns
+        history_at = [hists[c.entry].data_ptr() + c.slot * hists[c.entry].stride(1) * _FLOAT32_BYTES for c in cols]
+        lengths = [int(hists[c.entry].shape[0]) for c in cols]
+        strides = [int(hists[c.entry].stride(0)) for c in cols]
+        scale_at = [scales[c.entry].data_ptr() + c.slot * scales[c.entry].stride(0) * _FLOAT32_BYTES for c in cols]
+        if not table.point(history_at, lengths, strides, scale_at):
+            return False
+        self._table_version = self._version
+        return True
+
     def read(self, out: torch.Tensor) -> None:
-        """Rows AMAX, SCALE and HISTORY_MAX of ``out``: a fixed number of device ops, no sync."""
-        hists, scales = self.live_state()
+        """Rows AMAX, SCALE and HISTORY_MAX of ``out``: one launch (Triton) or a fixed number of
+        device ops, no sync."""
+        hists, scales = self._state_for_read()
+        if self._point_table(hists, scales):
+            assert self._table is not None
+            keep = self.fp8_mask if self.fp8_mask is not None else self._keep
+            self._table(out, in_use=self._scale_in_use, keep=keep, rows=(AMAX, SCALE, HISTORY_MAX))
+            return
         gather = self._gather
         if gather is None:
             plan = self._plan_for(hists)

@@ -45,7 +45,9 @@ class HookObserver:
         self.measure = measure
         """Measure amaxes (current/block scaling); False: hooks only count when armed."""
         self.counting = False
-        self._seen = [False] * n
+        self._seen = [0] * n
+        """Per column: the read generation of its last measured cast (``_generation``: this one)."""
+        self._generation = 1
         self._handles: list[Any] = []
 
     @property
@@ -74,7 +76,7 @@ class HookObserver:
     def consumed(self) -> None:
         """The amaxes were read: the next cast of every operand starts a new accumulation."""
         self.amax.zero_()
-        self._seen = [False] * len(self._seen)
+        self._generation += 1  # every column unseen at once, with no walk over them
 
     def uninstall(self) -> None:
         """Remove the module hooks (a forward then runs no code of this observer)."""
@@ -141,7 +143,7 @@ class HookObserver:
         amax: torch.Tensor | None = None
         if self.measure:
             acc = self.amax[i:i + 1]
-            if len(xs) == 1 and not self._seen[i]:
+            if len(xs) == 1 and self._seen[i] != self._generation:
                 # First cast of this operand since the last read: TE's amax kernel writes straight
                 # into the accumulator (zeroed at read), two launches per operand and step.
                 self._amax_into(xs[0], acc)
@@ -149,7 +151,7 @@ class HookObserver:
             else:  # later micro-batches, split weights: max-accumulate
                 amax = self._amax_of(xs)
                 torch.maximum(acc, amax, out=acc)
-            self._seen[i] = True
+            self._seen[i] = self._generation
         if not self.counting:
             return
         scale = self._scale_of(col, amax)
