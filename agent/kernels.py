@@ -223,8 +223,8 @@ def _table_kernels() -> Any:
 
     @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
     def history_gather_kernel(table_ptr, fp8_max_ptr, div_ptr, mask_ptr, in_use_ptr, out_ptr,  # type: ignore[no-untyped-def]
-                              n, max_len, out_amax, out_scale, out_hmax, out_col,
-                              BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+                              n, out_amax, out_scale, out_hmax, out_col,
+                              MAX_LEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
         # Column c: its history slot at table[0, c] (address of row 0), table[1, c] rows of stride
         # table[2, c] elements, its live scale at table[3, c]. One program per BLOCK_C columns.
         pid = tl.program_id(0)
@@ -238,7 +238,7 @@ def _table_kernels() -> Any:
         latest = tl.load(base + (length - 1) * stride, mask=valid, other=0.0)
         top = tl.full([BLOCK_C], float("-inf"), tl.float32)
         nan = tl.zeros([BLOCK_C], dtype=tl.int32)
-        for r0 in range(0, max_len, BLOCK_R):
+        for r0 in range(0, MAX_LEN, BLOCK_R):  # the longest history: a compile-time bound
             rows = r0 + tl.arange(0, BLOCK_R)
             inside = (rows[:, None] < length[None, :]) & valid[None, :]
             x = tl.load(base[None, :] + rows[:, None] * stride[None, :], mask=inside, other=float("-inf"))
@@ -412,6 +412,6 @@ class HistoryGather:
         amax, scale, hmax = rows
         grid = -(-self.n // _GATHER_COLUMNS)
         _table_kernels()[1][(grid,)](
-            self._staging.table, self._fp8_max, self._div, keep, in_use, out, self.n, self._max_len,
+            self._staging.table, self._fp8_max, self._div, keep, in_use, out, self.n,
             amax * out.stride(0), scale * out.stride(0), hmax * out.stride(0), out.stride(1),
-            BLOCK_C=_GATHER_COLUMNS, BLOCK_R=_GATHER_ROWS, num_warps=4)
+            MAX_LEN=self._max_len, BLOCK_C=_GATHER_COLUMNS, BLOCK_R=_GATHER_ROWS, num_warps=4)

@@ -24,7 +24,7 @@ PUBLIC = {
         "HttpTransport", "IntegrationUnavailable", "JsonlFileTransport", "Monitor", "MonitorConfig", "NullTransport", "RunInfo", "Source", "SourceUnavailable", "TensorSpec",
         "Transport", "emulate_fp8", "watch",
     ],
-    "fp8guard.agent.kernels": ["TableSumOfSquares", "count_cast_into", "sum_of_squares_into", "triton_available"],
+    "fp8guard.agent.kernels": ["HistoryGather", "TableSumOfSquares", "count_cast_into", "triton_available"],
     "fp8guard.agent.sources.te_inspect": ["FEATURE_NAME", "TENSOR_NAMES", "InspectCounts", "register_feature"],
     "fp8guard.service.loop": [
         "Decision", "Detector", "Finding", "GuardConfig", "RunView", "Severity", "TensorMeta", "decide", "promotions",

@@ -3,14 +3,21 @@
 On a GPU, ``Monitor.step``'s host cost is its kernel launches plus its Python. Timing is for
 bench/gpu_host_cost.py; here the two are counted, at 2, 4 and 8 layers: the device ops it
 dispatches that are not views (each would be at least one kernel launch on a GPU; a view is
-host-only metadata) and, over the TE source, the Python and C function calls it makes. Over the
-TE stand-in (tests/fake_te.py, through the source's seam) and over fp8guard's emulated FP8.
-The gradient norm keeps its value bit for bit.
+host-only metadata) and, over the TE source, the Python and C function calls it makes, at 4 and
+32 layers. Over the TE stand-in (tests/fake_te.py, through the source's seam) and over
+fp8guard's emulated FP8. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, a fresh
+process) the same for the GPU's own paths: the table grad norm and the TE read as Triton
+launches over device tables, counted with the torch ops; and their values against the torch
+paths. The gradient norm's foreach path keeps its value bit for bit.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +80,7 @@ def _config(**kw: Any) -> MonitorConfig:
                          harm_interval_steps=0, **kw)
 
 
-def _te_step_cost(layers: int, recipe: Any) -> tuple[list[str], int]:
+def _te_step_cost(layers: int, recipe: Any, norm: str = "auto") -> tuple[list[str], int]:
     fake_te.reset()
     with te_access.substitute(fake_te):
         torch.manual_seed(0)
@@ -89,6 +96,8 @@ def _te_step_cost(layers: int, recipe: Any) -> tuple[list[str], int]:
         forward_backward()
         opt.zero_grad()
         monitor = Monitor(_config(sources=["te"]), transport=NullTransport()).attach(model, opt)
+        if norm != "auto":  # the CUDA default ("table") where the interpreter runs Triton on the CPU
+            monitor._grad_norm = GradNorm(model.parameters(), backend=norm)
         assert len(monitor.tensors) >= 6 * layers
         return _per_step(monitor, forward_backward, opt)
 
@@ -99,12 +108,12 @@ def test_te_source_step_op_and_call_counts_are_independent_of_depth(recipe: Any)
     """Dispatched ops and Python calls, over the TE stand-in on the CPU: a guard against per-layer
     Python creeping into the step. Not the GPU's launch count (a foreach op launches per chunk) nor
     its host time, which still grows with depth on the H200 (docs/gpu.md)."""
-    costs = {layers: _te_step_cost(layers, recipe) for layers in (2, 4, 8)}
+    costs = {layers: _te_step_cost(layers, recipe) for layers in (4, 32)}
     ops = {layers: c[0] for layers, c in costs.items()}
     calls = {layers: c[1] for layers, c in costs.items()}
-    assert ops[2] == ops[4] == ops[8], {k: len(v) for k, v in ops.items()}
-    assert ops[2].count("aten._foreach_norm.Scalar") == 1
-    assert calls[2] == calls[4] == calls[8], calls
+    assert ops[4] == ops[32], {k: len(v) for k, v in ops.items()}
+    assert ops[4].count("aten._foreach_norm.Scalar") == 1
+    assert calls[4] == calls[32], calls
 
 
 def test_emulated_fp8_step_launches_are_independent_of_depth() -> None:
@@ -152,3 +161,95 @@ def test_grad_norm_is_bitwise_the_previous_value(dtypes: tuple[Any, ...]) -> Non
     for p in params:
         p.grad = None
     assert norm() is None
+
+
+_INTERPRETED = textwrap.dedent("""
+    import collections, json, sys, torch
+    from fp8guard.agent import kernels
+    from fp8guard.agent.sources import te_access
+    from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, STATS
+    from tests import fake_te
+    from tests.agent import test_host_cost as h
+
+    assert kernels.triton_available(torch.device("cpu"))
+    launches = collections.Counter()
+    real = kernels._table_kernels()
+
+    class Counted:  # the real kernel, launched as it is; each launch counted
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches[self.name] += 1
+            return self.kernel[grid]
+
+    counted = (Counted("table_sumsq", real[0]), Counted("history_gather", real[1]))
+    kernels._table_kernels = lambda: counted
+    result = {}
+    for layers in (4, 32):
+        launches.clear()
+        ops, calls = h._te_step_cost(layers, fake_te.DelayedScaling(amax_history_len=8), norm="table")
+        result[layers] = {"ops": ops, "launches": dict(launches)}
+
+    # the table read against the torch read, over the same TE state: lengths 8 and 1, a NaN row,
+    # a module in BF16 fallback
+    values = []
+    for length in (8, 1):
+        fake_te.reset()
+        with te_access.substitute(fake_te):
+            from fp8guard.agent.sources import te
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[fake_te.TransformerLayer(16, 32, name=f"l{i}") for i in range(3)])
+            recipe = fake_te.DelayedScaling(amax_history_len=length)
+
+            def train(k):
+                with fake_te.autocast(enabled=True, recipe=recipe):
+                    loss = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(k)) * (k + 1)).pow(2).mean()
+                loss.backward()
+
+            train(0)
+            table, plain = te.discover(model, required=True), te.discover(model, required=True)
+            assert table._delayed._table is not None
+            plain._delayed._table = None  # this one reads through the torch ops
+            table.set_fp8(["1.layernorm_mlp"], False)
+            plain.set_fp8(["1.layernorm_mlp"], False)
+            for k in range(1, 4):
+                train(k)
+                if k == 2 and length > 1:
+                    model[0].self_attention.proj.fp8_meta["scaling_fwd"].amax_history[1, 0] = float("nan")
+                outs = []
+                for src in (table, plain):
+                    out = torch.full((len(STATS), len(src.tensors())), -7.0)
+                    src.read(out)
+                    outs.append(out)
+                rows = [AMAX, SCALE, HISTORY_MAX]
+                values.append({"length": length, "equal": bool(torch.equal(outs[0][rows].nan_to_num(-1.0),
+                                                                            outs[1][rows].nan_to_num(-1.0))),
+                               "nans": int(outs[0][rows].isnan().sum()), "nans_plain": int(outs[1][rows].isnan().sum()),
+                               "zeros": int((outs[0][AMAX] == 0).sum())})
+    result["values"] = values
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.slow
+def test_gpu_paths_launch_a_fixed_number_of_kernels_under_the_interpreter() -> None:
+    """The CUDA path of monitor.step (table grad norm, TE read through HistoryGather) run by
+    Triton's CPU interpreter: at 4 and 32 fake TE layers the same torch ops and the same Triton
+    launches (one sum-of-squares launch, one history gather), and the gather's values equal the
+    torch read's, NaN and BF16 fallback included."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    shallow, deep = got["4"], got["32"]
+    assert shallow["ops"] == deep["ops"], (len(shallow["ops"]), len(deep["ops"]))
+    # three steps: one sum-of-squares launch and one history gather each
+    assert shallow["launches"] == deep["launches"] == {"table_sumsq": 3, "history_gather": 3}
+    assert "aten._foreach_norm.Scalar" not in shallow["ops"] and "aten.cat.default" not in shallow["ops"]
+    assert all(v["equal"] for v in got["values"]), got["values"]
+    assert any(v["nans"] > 0 and v["nans"] == v["nans_plain"] for v in got["values"])  # the NaN row went through
+    assert all(v["zeros"] > 0 for v in got["values"])  # the module in fallback reads 0

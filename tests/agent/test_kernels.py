@@ -100,13 +100,7 @@ _INTERPRETED = textwrap.dedent("""
                                             fp8_bytes=fp8_bytes, backend=backend)
                     row.append(out.tolist())
             results.append(row)
-    g = torch.Generator().manual_seed(2)
-    ts = [torch.randn(1 << 20, generator=g), torch.randn(3000, generator=g).bfloat16(),
-          torch.randn((1 << 20) + 77, generator=g).bfloat16()]
-    out = torch.zeros(())
-    kernels.sum_of_squares_into(out, ts, backend="triton")
-    ref = sum(float(t.double().square().sum()) for t in ts)
-    print(json.dumps({"counts": results, "sumsq": float(out), "ref": ref}))
+    print(json.dumps({"counts": results}))
 """)
 
 
@@ -123,7 +117,6 @@ def test_triton_kernels_under_the_interpreter() -> None:
         # [hp path triton, hp path torch, bytes path triton, bytes path torch]: all four agree
         assert row[0] == row[1] == row[2] == row[3], row
         assert row[0][0] > 0 and row[0][1] > 0  # both counts exercised
-    assert got["sumsq"] == pytest.approx(got["ref"], rel=1e-5)
 
 
 _TABLE = textwrap.dedent("""
@@ -134,23 +127,33 @@ _TABLE = textwrap.dedent("""
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16]
     params = [torch.nn.Parameter(torch.zeros(s, dtype=d)) for s, d in zip(shapes, dtypes)]
     norm = GradNorm(params, backend="table")
+    held = []  # earlier gradients stay alive: new ones cannot reuse their addresses
     out = []
-    for step in range(3):  # new gradient tensors every step, as after zero_grad(set_to_none=True)
-        for p in params:
-            p.grad = (torch.randn(p.shape, generator=g) * (step + 1)).to(p.dtype)
-        if step == 2:  # a non-contiguous gradient: that call takes the foreach path
+    for step in range(5):
+        if step in (0, 2):  # new gradient tensors, as after zero_grad(set_to_none=True)
+            for p in params:
+                held.append(p.grad)
+                p.grad = (torch.randn(p.shape, generator=g) * (step + 1)).to(p.dtype)
+        elif step == 1:  # the same tensors, new values (zero_grad(set_to_none=False), then backward)
+            for p in params:
+                p.grad.mul_(3)
+        elif step == 3:  # a non-contiguous gradient: that call takes the foreach path
+            held.append(params[4].grad)
             params[4].grad = torch.randn(33, 2, generator=g).t()
-        ref = sum(float(p.grad.double().square().sum()) for p in params) ** 0.5
-        foreach = float(norm_of_grads([p.grad for p in params]))
-        served = [t([params[i].grad for i in m]) is not None for t, m in zip(norm._tables, norm._groups)]
-        out.append({"table": float(norm()), "ref": ref, "foreach": foreach, "served": served})
+        else:  # a parameter without a gradient: the foreach path over the others
+            params[4].grad = None
+        grads = [p.grad for p in params if p.grad is not None]
+        ref = sum(float(t.double().square().sum()) for t in grads) ** 0.5
+        out.append({"table": float(norm()), "ref": ref, "foreach": float(norm_of_grads(grads)),
+                    "repointed": norm.repointed})
     print(json.dumps(out))
 """)
 
 
 @pytest.mark.slow
 def test_table_grad_norm_under_the_interpreter() -> None:
-    """GradNorm's one-launch-per-dtype Triton path (a device table of gradient addresses)."""
+    """GradNorm's one-launch-per-dtype Triton path over device tables built once, re-pointed only
+    when the gradients move."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
@@ -160,6 +163,7 @@ def test_table_grad_norm_under_the_interpreter() -> None:
     steps = json.loads(proc.stdout.strip().splitlines()[-1])
     for s in steps:
         assert s["table"] == pytest.approx(s["ref"], rel=1e-6), s
-    assert [s["served"] for s in steps] == [[True] * 3, [True] * 3, [True, False, True]]  # 3 dtype groups
-    assert steps[2]["table"] == steps[2]["foreach"]  # the fallback is the foreach value itself
-    assert len({s["ref"] for s in steps}) == 3
+    # re-pointed at the first call and when the gradients moved, not when only their values changed
+    assert [s["repointed"] for s in steps] == [1, 1, 2, 2, 2]
+    assert steps[3]["table"] == steps[3]["foreach"] and steps[4]["table"] == steps[4]["foreach"]  # the fallbacks
+    assert len({s["ref"] for s in steps}) == 5

@@ -330,3 +330,43 @@ def test_stale_reason_is_quiet_when_every_module_fell_back_to_bf16() -> None:
     src.set_fp8(None, True)
     assert src.stale_reason() is not None and "te.autocast(enabled=True" in src.stale_reason()  # type: ignore[operator]
     src.close()
+
+
+def test_reallocated_state_is_seen_within_the_rotation_and_at_once_after_a_checkpoint_load() -> None:
+    """TE's tensors are checked a fixed number of entries per read (not every module every step):
+    a history TE reallocates mid-run is followed within ceil(entries / _VERIFY_PER_READ) reads,
+    reading the old (still held) tensor until then; after ``load_state_dict`` at the next read."""
+    from fp8guard.agent.sources import te_delayed
+
+    layers = 12
+    model = stack(layers)
+    recipe = fake_te.DelayedScaling(amax_history_len=4)
+    train_step(model, recipe, 0)
+    src = te.discover(model, required=True)
+    assert src is not None
+    entries = 6 * layers  # three modules per layer, forward and backward states
+    rotation = -(-entries // te_delayed._VERIFY_PER_READ)
+    assert rotation == 3
+    w = column(src, f"{layers - 1}.layernorm_mlp.fc1:fwd_weight")  # the last entries: checked last
+
+    def reallocate() -> Any:
+        state = model[layers - 1].layernorm_mlp.fp8_meta["scaling_fwd"]
+        state.amax_history = state.amax_history.clone() + 1.0  # as adjust_amax_history_length: a new tensor
+        return state.amax_history
+
+    read(src)  # the rotation now starts at entry 32
+    new = reallocate()
+    seen_at = None
+    for k in range(1, rotation + 1):
+        out = read(src)
+        if torch.equal(out[AMAX, w], new[-1, 1]):
+            seen_at = k
+            break
+        assert not torch.equal(out[AMAX, w], new[-1, 1])  # the old tensor, still held: stale, never invalid
+    assert seen_at is not None and seen_at <= rotation
+    newer = reallocate()
+    model.load_state_dict(model.state_dict())  # a checkpoint load: every entry is checked at the next read
+    out = read(src)
+    assert torch.equal(out[AMAX, w], newer[-1, 1]) and torch.equal(out[HISTORY_MAX, w], newer[:, 1].amax())
+    src.close()
+    assert not any(m._load_state_dict_post_hooks for m in model.modules())
