@@ -290,12 +290,12 @@ class _Staging:
         """Enqueue the copy of ``values`` into the table; False (nothing enqueued) while the
         next staging buffer is still being copied from (a query, never a wait)."""
         if not self._cuda:
-            self._words[0][:] = values
+            self._words[0][:] = list(values)
             return True
         j = self._slot
-        if self._used[j] and not self._events[j].query():
+        if self._used[j] and not self._events[j].query():  # type: ignore[no-untyped-call]
             return False
-        self._words[j][:] = values
+        self._words[j][:] = list(values)
         self.table.copy_(self._host[j], non_blocking=True)
         self._events[j].record()
         self._used[j] = True

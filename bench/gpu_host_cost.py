@@ -1,24 +1,29 @@
 """Host cost of ``Monitor.step`` against model depth on a real Transformer Engine model (issue 14.1).
 
     python bench/gpu_host_cost.py --out OUT/gpu_host_cost.json      # the H200: estimated 3-5 minutes
+    python bench/gpu_host_cost.py --parts sweep --out OUT/...       # only the depth sweep (about 2 minutes)
+    python bench/gpu_host_cost.py --parts ratios --out OUT/...      # only the side-by-side ratios
     python bench/gpu_host_cost.py --smoke --out /tmp/host_cost.json  # CPU, over tests/fake_te.py
 
 Model: ``bench/_te_model.TEModel`` (``te.TransformerLayer`` stacks, bf16 parameters, fused AdamW,
 loss mean(h**2), DelayedScaling HYBRID with a 1024-step history). The monitor is the README's:
 ``Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
-transport=NullTransport())``, computing its own grad norm (``monitor.step(loss)`` after
-``opt.step()``, before ``zero_grad``); no service.
+transport=NullTransport())``, computing its own grad norm with its default (on CUDA with Triton:
+the table kernel, built once at attach) (``monitor.step(loss)`` after ``opt.step()``, before
+``zero_grad``); no service. The TE read is its default too (one Triton gather launch).
 
 1. ``sweep``: for 12, 24, 48 and 96 layers (hidden 1024, sequence 1024, batch 8): attach time
    (synchronised), the device memory attach allocates and the transient peak of one
    ``monitor.step``, then the host microseconds of ``monitor.step`` in a training loop that
    never syncs (GPU busy) and with the GPU idle (synchronised before the call), and the idle host
    time of its two parts: the grad norm and the TE source's read.
-   Also the GPU time and bandwidth of the grad norm, foreach (the default) and the one-launch
-   table kernel (``GradNorm(backend="table")``), and their difference from a float64 norm.
+   Also the GPU time and bandwidth of the grad norm, the table kernel (the default) and
+   ``GradNorm(backend="foreach")``, their difference from a float64 norm, and how often the
+   table was re-pointed at new gradient addresses during the sweep.
 2. ``ratios``: plain FP8 step against monitored step, for the 604M model (12 layers, hidden 2048,
    sequence 2048, batch 8) and the 48-layer hidden-1024 model: ``--rounds`` rounds of one block
-   of ``--block`` steps per mode (plain; monitor; monitor with the table grad norm), the order
+   of ``--block`` steps per mode (plain; monitor (its default, the table norm); monitor with the
+   foreach grad norm), the order
    rotating every round, in one process; a block is synchronise, steps, synchronise. Ratio of
    medians and median of per-round ratios. Then ``--sync-steps`` monitored steps (each norm)
    under ``torch.cuda.set_sync_debug_mode("error")``.
@@ -66,6 +71,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sync-steps", type=int, default=6)
+    p.add_argument("--parts", default="sweep,ratios", help="which parts to run: sweep, ratios or both")
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no new part after this long; ratio rounds stop 40 s later (at least 4 rounds)")
     a = p.parse_args()
@@ -117,14 +123,15 @@ class Env:
 
     def monitor(self, m: TEModel) -> Any:
         from fp8guard.agent import Monitor, MonitorConfig, NullTransport
+
+        return Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
+                       transport=NullTransport()).attach(m.model, m.opt)
+
+    def foreach_norm(self, m: TEModel) -> Any:
+        """``GradNorm(backend="foreach")``: the comparison to the monitor's default."""
         from fp8guard.agent.telemetry import GradNorm
 
-        monitor = Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
-                          transport=NullTransport()).attach(m.model, m.opt)
-        # "monitor" measures the foreach norm and "monitor_table" the table norm, side by side
-        # (the monitor's own default on CUDA with Triton is the table)
-        monitor._grad_norm = GradNorm(m.model.parameters(), backend="foreach")
-        return monitor
+        return GradNorm(m.model.parameters(), backend="foreach")
 
     def free(self) -> None:
         gc.collect()
@@ -240,9 +247,12 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         read_us.append(_us_since(t0))
         env.sync()
         m.opt.zero_grad(set_to_none=True)
-    norm_gpu = _norm_gpu_probe(env, m, monitor, _table_norm(env, m))
+    norm_gpu = _norm_gpu_probe(env, m, monitor)
+    delayed = getattr(src, "_delayed", None)
     point = {
         "grad_norm_gpu": norm_gpu,
+        "grad_norm_backend": monitor._grad_norm.backend, "grad_norm_repointed": monitor._grad_norm.repointed,
+        "te_read": "triton gather" if delayed is not None and delayed._table is not None else "torch ops",
         "layers": layers, "hidden": a.hidden, "seq": a.seq, "batch": a.batch, "params_M": m.params_m,
         "columns": len(monitor.tensors), "gradients": sum(1 for p in m.model.parameters() if p.requires_grad),
         "plain_step_ms": _stats(plain, 2), "attach_ms": round(attach_ms, 1),
@@ -258,20 +268,9 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
     return point
 
 
-def _table_norm(env: Env, m: TEModel) -> Any:
-    """The one-launch-per-dtype grad norm (``GradNorm(backend="table")``), or None where Triton
-    cannot run it (the CPU smoke run)."""
-    from fp8guard.agent.kernels import triton_available
-    from fp8guard.agent.telemetry import GradNorm
-
-    if not triton_available(env.torch.device(env.device)):
-        return None
-    return GradNorm(m.model.parameters(), backend="table")
-
-
-def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, table: Any, repeats: int = 5) -> dict[str, Any] | None:
-    """GPU time (CUDA events, idle GPU) of the grad norm, foreach (the default) and table, on the
-    gradients of one step; their bandwidth and agreement."""
+def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, repeats: int = 5) -> dict[str, Any] | None:
+    """GPU time (CUDA events, idle GPU) of the grad norm, the monitor's (table where Triton runs)
+    and foreach, on the gradients of one step; their bandwidth and agreement."""
     if not env.cuda:
         return None
     torch = env.torch
@@ -280,8 +279,8 @@ def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, table: Any, repeats: int
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     out: dict[str, Any] = {"grad_bytes_GB": round(nbytes / 1e9, 3)}
     values: dict[str, float] = {}
-    for name, fn in (("foreach", monitor._grad_norm), ("table", table)):
-        if fn is None:
+    for name, fn in ((monitor._grad_norm.backend, monitor._grad_norm), ("foreach", env.foreach_norm(m))):
+        if name in values:
             continue
         fn()  # warm-up (Triton compiles)
         torch.cuda.synchronize()
@@ -302,13 +301,14 @@ def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, table: Any, repeats: int
 
 
 def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, batch: int) -> dict[str, Any]:
-    """Plain FP8 step against monitored step (grad norm: foreach, and the table kernel where it
-    runs), blocks of each mode in an order rotating every round, in one process."""
+    """Plain FP8 step against monitored step (grad norm: the monitor's default, and foreach where
+    the default is the table), blocks of each mode in an order rotating every round, in one process."""
     m = env.model(layers, hidden, seq, batch)
     m.step()
     env.sync()
     monitor = env.monitor(m)
-    norms = {"monitor": monitor._grad_norm, "monitor_table": _table_norm(env, m)}
+    own = monitor._grad_norm
+    norms = {"monitor": own, "monitor_foreach": env.foreach_norm(m) if own.backend == "table" else None}
     modes = ["plain", *(k for k, v in norms.items() if v is not None)]
     for mode in modes:
         if mode != "plain":
@@ -350,7 +350,7 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
     for mode in modes[1:]:
         ms = statistics.median(per_step[mode])
         paired = sorted(x / p for x, p in zip(per_step[mode], per_step["plain"], strict=True))
-        key = "" if mode == "monitor" else "table_"
+        key = "" if mode == "monitor" else "foreach_"
         result.update({
             f"{key}monitor_ms_per_step": round(ms, 3), f"{key}ratio": round(ms / plain, 5),
             f"{key}paired_ratio_median": round(statistics.median(paired), 5),
@@ -360,10 +360,11 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
             f"{key}meets_target": ms / plain <= TARGET_RATIO,
         })
     result["sync_debug"] = _sync_check(env, m, monitor, a.sync_steps)
-    if norms["monitor_table"] is not None:
-        monitor._grad_norm = norms["monitor_table"]
-        result["table_sync_debug"] = _sync_check(env, m, monitor, a.sync_steps)
-        monitor._grad_norm = norms["monitor"]
+    result["grad_norm_backend"], result["grad_norm_repointed"] = own.backend, own.repointed
+    if norms["monitor_foreach"] is not None:
+        monitor._grad_norm = norms["monitor_foreach"]
+        result["foreach_sync_debug"] = _sync_check(env, m, monitor, a.sync_steps)
+        monitor._grad_norm = own
     result["monitor_broken"] = bool(monitor._broken)
     monitor.close()
     del monitor, m, norms
@@ -422,7 +423,8 @@ def main() -> None:
                               "monitor": {"sources": ["te"], "flush_interval_steps": 50, "count_interval_steps": 0,
                                           "transport": "NullTransport", "grad_norm": "computed by the monitor"}}
     try:
-        depths = [int(x) for x in a.layers.split(",")]
+        parts = set(a.parts.split(","))
+        depths = [int(x) for x in a.layers.split(",")] if "sweep" in parts else []
         sweep: dict[str, Any] = {}
         for layers in depths:
             with _part(sweep, str(layers), started, a.budget_s, env.free) as put:
@@ -432,7 +434,7 @@ def main() -> None:
         models = {"604M_12x2048": (12, 2048, 2048, 8), "48x1024": (48, 1024, 1024, 8)} if not a.smoke else \
             {"smoke_2x32": small, "smoke_4x32": large}
         ratios: dict[str, Any] = {}
-        for name, shape in models.items():
+        for name, shape in (models.items() if "ratios" in parts else ()):
             with _part(ratios, name, started, a.budget_s, env.free) as put:
                 put(ratio(env, a, *shape))
         result["ratios"] = ratios
@@ -443,7 +445,10 @@ def main() -> None:
     summary = {"bench": BENCH, "smoke": a.smoke,
                "host_us_in_loop_median_by_layers": {k: v.get("monitor_step_host_us_in_loop", {}).get("median")
                                                     for k, v in result["sweep"].items()},
+               "host_us_idle_median_by_layers": {k: v.get("monitor_step_host_us_idle", {}).get("median")
+                                                  for k, v in result["sweep"].items()},
                "ratios": {k: v.get("ratio", v.get("error") or v.get("skipped")) for k, v in result["ratios"].items()},
+               "foreach_ratios": {k: v.get("foreach_ratio") for k, v in result["ratios"].items()},
                "seconds": result["seconds"]}
     if a.out:
         out = Path(a.out)

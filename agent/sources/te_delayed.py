@@ -185,7 +185,8 @@ class DelayedReader:
             self._keep = torch.ones(len(columns), dtype=torch.float32, device=device)
         # A checkpoint load may reallocate TE's state (older TE always did): check it at the next read.
         modules = {id(m): m for _, m, _, _ in entries}
-        self._load_hooks = [m.register_load_state_dict_post_hook(self._loaded) for m in modules.values()]
+        self._load_hooks = [m.register_load_state_dict_post_hook(self._loaded)  # type: ignore[no-untyped-call]
+                            for m in modules.values()]
 
     def _loaded(self, module: nn.Module, incompatible_keys: Any) -> None:
         self._dirty = True
