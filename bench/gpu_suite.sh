@@ -3,6 +3,7 @@
 # (bash .te/kit/install-te.sh). From the repository root:
 #   bash bench/gpu_suite.sh counts     # exact counts: checked against TE, then timed
 #   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
+#   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
 #   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
@@ -36,6 +37,12 @@ for what in "$@"; do
       part counts_time 300 python3 bench/gpu_counts.py time --out "$OUT" ;;
     overhead)
       part overhead 240 python3 bench/gpu_overhead.py --out "$OUT" ;;
+    host-cost)
+      # two calls' worth: the depth sweep (about 2-3 min), then the side-by-side ratios (about 4 min)
+      part host_cost_sweep 240 python3 bench/gpu_host_cost.py --parts sweep --budget-s 180 \
+        --out "$OUT/gpu_host_cost.sweep.json"
+      part host_cost_ratios 290 python3 bench/gpu_host_cost.py --parts ratios --budget-s 200 \
+        --out "$OUT/gpu_host_cost.ratios.json" ;;
     heal|heal-1e4)
       # The in-process fp8guard service needs the service's packages, which the GPU image lacks:
       # carried as wheels in .whl/ (see docs/gpu.md).
