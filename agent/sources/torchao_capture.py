@@ -1,0 +1,225 @@
+"""torchao's own amaxes, read back instead of measured again.
+
+Every FP8 cast of a ``Float8Linear`` goes through ``hp_tensor_to_float8_dynamic`` (looked up
+in ``torchao.float8.float8_linear``'s globals at call time), which calls ``tensor_to_amax``
+(looked up in ``torchao.float8.float8_utils``' globals by ``tensor_to_scale``). Both are
+wrapped here, once per process, never copied: the outer wrapper knows the module (its
+``linear_mm_config``, one object per ``Float8Linear``) and the GEMM role of the cast; the inner
+one hands the amax torchao just computed (a 0-d tensor tensorwise, one per row or column
+rowwise) to the source that owns that module. Why: measuring every input, weight and
+output-gradient amax again in hooks read each activation once more (``abs()`` even twice, with
+a temporary) and cost 6-9% of an 8-layer step on the H200 (docs/gpu.md); torchao has already
+computed exactly these values for its own casts.
+
+Capturing is host work only (two list appends per cast, on whichever thread casts: the
+autograd thread in backward). The device work is :meth:`AmaxSink.fold`, once per step: a fixed
+handful of launches (per-tensor max of rowwise amaxes in one foreach launch, one stack, one
+gather into a ``[columns, casts]`` table, one row max, one running max), whatever the number of
+casts. Several casts of one role in one step see the same tensor (tensorwise: the input, the
+weight and the output gradient are each cast twice; rowwise: along both axes), so their max is
+the tensor-wide amax torchao's first cast of that role used: the value the hooks measured.
+
+Only plain tensors are kept: a cast traced by ``torch.compile`` (fake or functional tensors)
+or a DTensor amax is passed through unrecorded, and the source's ``stale_reason`` says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["AmaxSink", "attach", "detach", "to_device", "unavailable", "unwrapped"]
+
+_FOLD_AT = 8192
+"""Captured amaxes held before folding early (gradient accumulation over many micro-batches, or
+forwards without ``monitor.step``): bounds the references held and the size of one fold."""
+_INDEX_CACHE = 16
+"""Distinct cast sequences whose gather tables stay on the device (one per pattern of
+micro-batches and fallbacks; a training loop repeats one or two)."""
+
+_lock = threading.Lock()
+_local = threading.local()
+_routes: dict[int, tuple[Any, AmaxSink, int]] = {}
+"""id(linear_mm_config) -> (that object, its sink, the module's first column)."""
+_orig: dict[str, Callable[..., Any]] = {}
+_roles: dict[Any, int] = {}
+
+
+def _torchao() -> tuple[Any, Any, Any]:
+    import torchao.float8.float8_linear as fl
+    import torchao.float8.float8_training_tensor as ft
+    import torchao.float8.float8_utils as fu
+
+    return fl, fu, ft
+
+
+def unavailable(modules: Sequence[tuple[str, torch.nn.Module]]) -> str | None:
+    """Why torchao's amaxes cannot be read back for these modules (None: they can)."""
+    try:
+        fl, fu, ft = _torchao()
+    except ImportError as exc:
+        return f"torchao.float8 not importable: {exc}"
+    cast = getattr(fl, "hp_tensor_to_float8_dynamic", None)
+    scale = getattr(fu, "tensor_to_scale", None)
+    if cast is None or getattr(fu, "tensor_to_amax", None) is None or scale is None:
+        return "this torchao has no float8_linear.hp_tensor_to_float8_dynamic / float8_utils.tensor_to_amax"
+    if "tensor_to_amax" not in getattr(inspect.unwrap(scale), "__code__", cast.__code__).co_names:
+        return "this torchao's tensor_to_scale does not call tensor_to_amax"
+    if not hasattr(ft, "GemmInputRole"):
+        return "this torchao has no GemmInputRole"
+    configs = [getattr(m, "linear_mm_config", None) for _, m in modules]
+    if any(c is None for c in configs) or len({id(c) for c in configs}) != len(configs):
+        return "Float8Linear modules share a linear_mm_config: casts cannot be told apart"
+    return None
+
+
+def _install() -> None:
+    """Wrap torchao's two functions (again, if something replaced the wrappers)."""
+    fl, fu, ft = _torchao()
+    if not _roles:
+        _roles.update({ft.GemmInputRole.INPUT: 0, ft.GemmInputRole.WEIGHT: 1, ft.GemmInputRole.GRAD_OUTPUT: 2})
+    if not getattr(fl.hp_tensor_to_float8_dynamic, "_fp8guard", False):
+        _orig["cast"] = fl.hp_tensor_to_float8_dynamic
+        fl.hp_tensor_to_float8_dynamic = _cast
+    if not getattr(fu.tensor_to_amax, "_fp8guard", False):
+        _orig["amax"] = fu.tensor_to_amax
+        fu.tensor_to_amax = _amax
+
+
+def _cast(hp_tensor: Any, float8_dtype: Any, linear_mm_config: Any, *args: Any, **kwargs: Any) -> Any:
+    route = _routes.get(id(linear_mm_config))
+    cast = _orig["cast"]
+    if route is None or route[0] is not linear_mm_config or route[1].paused:
+        return cast(hp_tensor, float8_dtype, linear_mm_config, *args, **kwargs)
+    role = kwargs["gemm_input_role"] if "gemm_input_role" in kwargs else (args[1] if len(args) > 1 else None)
+    offset = _roles.get(role, 0)  # torchao's default role is INPUT
+    outer = getattr(_local, "pending", None)
+    _local.pending = (route[1], route[2] + offset)
+    try:
+        return cast(hp_tensor, float8_dtype, linear_mm_config, *args, **kwargs)
+    finally:
+        _local.pending = outer
+
+
+def _amax(*args: Any, **kwargs: Any) -> Any:
+    value = _orig["amax"](*args, **kwargs)
+    pending = getattr(_local, "pending", None)
+    if pending is not None:
+        _local.pending = None  # one amax per cast
+        pending[0].add(pending[1], value)
+    return value
+
+
+_cast._fp8guard = True  # type: ignore[attr-defined]
+_amax._fp8guard = True  # type: ignore[attr-defined]
+
+
+def attach(sink: AmaxSink, modules: Sequence[tuple[torch.nn.Module, int]]) -> None:
+    """Route the casts of ``modules`` (each with its first column) into ``sink``."""
+    with _lock:
+        _install()
+        for module, base in modules:
+            cfg = module.linear_mm_config
+            _routes[id(cfg)] = (cfg, sink, base)
+
+
+def detach(sink: AmaxSink) -> None:
+    with _lock:
+        for key in [k for k, r in _routes.items() if r[1] is sink]:
+            del _routes[key]
+
+
+@contextmanager
+def unwrapped() -> Iterator[None]:
+    """torchao's own functions, unwrapped, inside (benchmarks: torchao alone, no capture)."""
+    fl, fu, _ = _torchao()
+    with _lock:
+        saved = fl.hp_tensor_to_float8_dynamic, fu.tensor_to_amax
+        if _orig:
+            fl.hp_tensor_to_float8_dynamic, fu.tensor_to_amax = _orig["cast"], _orig["amax"]
+    try:
+        yield
+    finally:
+        with _lock:
+            fl.hp_tensor_to_float8_dynamic, fu.tensor_to_amax = saved
+
+
+class AmaxSink:
+    """torchao's amaxes of one source's columns since the last fold, and their fold into
+    ``amax`` (running max per column, NaN kept: torchao's ``torch.max`` propagates it into the
+    scale, and the gather, ``amax`` and ``maximum`` below propagate it too)."""
+
+    def __init__(self, amax: torch.Tensor) -> None:
+        self.amax = amax
+        self.paused = False
+        """True during a harm probe's forwards: they are not this step's telemetry."""
+        self.captures = 0
+        """Casts recorded since construction (a host counter, for ``stale_reason``)."""
+        self.skipped = 0
+        """Casts passed through unrecorded (traced by torch.compile, DTensor, another device)."""
+        self._tensors: list[torch.Tensor] = []
+        self._slots: list[int] = []
+        self._scalar = True
+        self._vals = torch.zeros(1, device=amax.device)
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def add(self, slot: int, value: Any) -> None:
+        """Host only: keep a reference to torchao's amax (it computed it under no_grad and never
+        writes it again) for the next fold."""
+        if type(value) is not torch.Tensor or value.device != self.amax.device or value.numel() == 0:
+            self.skipped += 1
+            return
+        self._tensors.append(value)
+        self._slots.append(slot)
+        self._scalar = self._scalar and value.dim() == 0
+        self.captures += 1
+        if len(self._tensors) >= _FOLD_AT:
+            self.fold()
+
+    def clear(self) -> None:
+        self._tensors, self._slots, self._scalar = [], [], True
+
+    def fold(self) -> None:
+        """Device ops only, a fixed number of launches: running max of the captured amaxes."""
+        tensors, slots, scalar = self._tensors, self._slots, self._scalar
+        if not tensors:
+            return
+        self.clear()
+        n = len(tensors)
+        if n >= self._vals.numel():  # the last element stays 0: the gather's padding
+            self._vals = torch.zeros(2 * n + 1, device=self.amax.device)
+        vals = self._vals
+        maxes = tensors if scalar else list(torch._foreach_max(tensors))
+        torch.stack(maxes, out=vals[:n])
+        table = vals[self._table(tuple(slots), vals.numel() - 1)]
+        torch.maximum(self.amax, table.amax(dim=1), out=self.amax)
+
+    def _table(self, slots: tuple[int, ...], pad: int) -> torch.Tensor:
+        """``[columns, casts]`` indices into the stacked amaxes, padded with ``pad``; built on the
+        host once per cast sequence and copied asynchronously (pinned) to the device."""
+        key = (*slots, pad)
+        table = self._index.get(key)
+        if table is None:
+            rows: list[list[int]] = [[] for _ in range(self.amax.numel())]
+            for i, s in enumerate(slots):
+                rows[s].append(i)
+            width = max(1, *(len(r) for r in rows))
+            host = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64)
+            table = to_device(host, self.amax.device)
+            if len(self._index) >= _INDEX_CACHE:
+                self._index.clear()
+            self._index[key] = table
+        return table
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous copy from pinned memory: a pageable one would sync the stream inside
+    ``monitor.step`` (the pinned allocator keeps the buffer until the copy is done)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
