@@ -13,9 +13,9 @@ computed exactly these values for its own casts.
 
 Capturing is host work only (two list appends per cast, on whichever thread casts: the
 autograd thread in backward). The device work is :meth:`AmaxSink.fold`, once per step: a fixed
-handful of launches (per-tensor max of rowwise amaxes in one foreach launch, one stack, one
-gather into a ``[columns, casts]`` table, one row max, one running max), whatever the number of
-casts. Several casts of one role in one step see the same tensor (tensorwise: the input, the
+handful of launches whatever the number of casts (per dtype: the per-tensor max of rowwise
+amaxes in one foreach launch and its cleanup, one batched stack; then one cat, one gather into
+a ``[columns, casts]`` table, one row max, one running max). Several casts of one role in one step see the same tensor (tensorwise: the input, the
 weight and the output gradient are each cast twice; rowwise: along both axes), so their max is
 the tensor-wide amax torchao's first cast of that role used: the value the hooks measured.
 
@@ -152,7 +152,11 @@ def unwrapped() -> Iterator[None]:
 class AmaxSink:
     """torchao's amaxes of one source's columns since the last fold, and their fold into
     ``amax`` (running max per column, NaN kept: torchao's ``torch.max`` propagates it into the
-    scale, and the gather, ``amax`` and ``maximum`` below propagate it too)."""
+    scale, and ``_foreach_max``, the gather, ``amax`` and ``maximum`` below propagate it too).
+
+    Kept per dtype (bf16 activations and float32 weights under autocast, say): CUDA's batched
+    ``cat``/``stack`` and ``_foreach_max`` take their one-launch path only for inputs of one dtype
+    (with mixed dtypes, or an output of another dtype, ``cat`` copies input by input)."""
 
     def __init__(self, amax: torch.Tensor) -> None:
         self.amax = amax
@@ -162,10 +166,11 @@ class AmaxSink:
         """Casts recorded since construction (a host counter, for ``stale_reason``)."""
         self.skipped = 0
         """Casts passed through unrecorded (traced by torch.compile, DTensor, another device)."""
-        self._tensors: list[torch.Tensor] = []
-        self._slots: list[int] = []
-        self._scalar = True
-        self._vals = torch.zeros(1, device=amax.device)
+        self.held = 0
+        """Amaxes held for the next fold."""
+        self._groups: dict[torch.dtype, tuple[list[torch.Tensor], list[int], list[bool]]] = {}
+        """dtype -> (torchao's amaxes, their columns, [all 0-d])."""
+        self._zero = torch.zeros(1, device=amax.device)
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
 
     def add(self, slot: int, value: Any) -> None:
@@ -174,37 +179,47 @@ class AmaxSink:
         if type(value) is not torch.Tensor or value.device != self.amax.device or value.numel() == 0:
             self.skipped += 1
             return
-        self._tensors.append(value)
-        self._slots.append(slot)
-        self._scalar = self._scalar and value.dim() == 0
+        group = self._groups.get(value.dtype)
+        if group is None:
+            group = self._groups[value.dtype] = ([], [], [True])
+        group[0].append(value)
+        group[1].append(slot)
+        if value.dim():
+            group[2][0] = False
         self.captures += 1
-        if len(self._tensors) >= _FOLD_AT:
+        self.held += 1
+        if self.held >= _FOLD_AT:
             self.fold()
 
     def clear(self) -> None:
-        self._tensors, self._slots, self._scalar = [], [], True
+        self._groups = {}
+        self.held = 0
 
     def fold(self) -> None:
-        """Device ops only, a fixed number of launches: running max of the captured amaxes."""
-        tensors, slots, scalar = self._tensors, self._slots, self._scalar
-        if not tensors:
+        """Device ops only, a fixed number of launches per dtype (one, two in practice): running
+        max of the captured amaxes per column."""
+        groups = self._groups
+        if not groups:
             return
         self.clear()
-        n = len(tensors)
-        if n >= self._vals.numel():  # the last element stays 0: the gather's padding
-            self._vals = torch.zeros(2 * n + 1, device=self.amax.device)
-        vals = self._vals
-        maxes = tensors if scalar else list(torch._foreach_max(tensors))
-        torch.stack(maxes, out=vals[:n])
-        table = vals[self._table(tuple(slots), vals.numel() - 1)]
+        parts: list[torch.Tensor] = []
+        order: list[int] = []
+        for tensors, slots, (scalar,) in groups.values():
+            maxes = tensors if scalar else torch._foreach_max(tensors)  # rowwise: the largest row's
+            parts.append(torch.stack(maxes).float())
+            order += slots
+        parts.append(self._zero)  # the gather's padding, after the last amax
+        vals = torch.cat(parts)
+        table = vals[self._table(tuple(order))]
         torch.maximum(self.amax, table.amax(dim=1), out=self.amax)
 
-    def _table(self, slots: tuple[int, ...], pad: int) -> torch.Tensor:
-        """``[columns, casts]`` indices into the stacked amaxes, padded with ``pad``; built on the
-        host once per cast sequence and copied asynchronously (pinned) to the device."""
-        key = (*slots, pad)
-        table = self._index.get(key)
+    def _table(self, slots: tuple[int, ...]) -> torch.Tensor:
+        """``[columns, casts]`` indices into the stacked amaxes, padded with ``len(slots)`` (the
+        zero after them); built on the host once per cast sequence and copied asynchronously
+        (pinned) to the device."""
+        table = self._index.get(slots)
         if table is None:
+            pad = len(slots)
             rows: list[list[int]] = [[] for _ in range(self.amax.numel())]
             for i, s in enumerate(slots):
                 rows[s].append(i)
@@ -213,7 +228,7 @@ class AmaxSink:
             table = to_device(host, self.amax.device)
             if len(self._index) >= _INDEX_CACHE:
                 self._index.clear()
-            self._index[key] = table
+            self._index[slots] = table
         return table
 
 

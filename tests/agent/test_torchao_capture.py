@@ -150,7 +150,7 @@ def test_early_fold_keeps_the_values(recipe: str, sources: list[Any], monkeypatc
     monkeypatch.setattr(capture, "_FOLD_AT", 5)
     for scale in (1.0, 7.0, 2.0):
         _step(model, torch.randn(8, 32) * scale)
-        assert len(folding._sink._tensors) < 5
+        assert folding._sink.held < 5
     assert torch.equal(_read(folding), _read(once))
 
 
@@ -227,4 +227,28 @@ def test_stale_reason_close_and_unwrapped(sources: list[Any]) -> None:
     assert source._sink.captures == 12 and source.stale_reason() is None
     source.close()
     _step(model, torch.randn(4, 32))
-    assert source._sink.captures == 12 and not source._sink._tensors
+    assert source._sink.captures == 12 and not source._sink.held
+
+
+def test_fold_of_mixed_dtypes_shapes_and_nan_equals_a_loop() -> None:
+    """bf16 and float32 amaxes (autocast: bf16 activations, float32 weights), 0-d (tensorwise) and
+    per-row/per-column (rowwise), a NaN, columns without a cast and micro-batches: the fold
+    equals a running max per column computed one tensor at a time."""
+    torch.manual_seed(1)
+    amax = torch.zeros(9)
+    sink = capture.AmaxSink(amax)
+    ref = torch.zeros(9)
+    shapes = [(), (5, 1), (1, 7), ()]
+    for micro in range(3):
+        for i in range(12):
+            slot = (3 * i + micro) % 8  # column 8 never cast
+            dtype = torch.bfloat16 if i % 3 else torch.float32
+            t = (torch.rand(shapes[i % 4]) * 10 ** (i % 5)).to(dtype)
+            if micro == 1 and i == 7:
+                t.view(-1)[0] = float("nan")
+            sink.add(slot, t)
+            m = t.max().float()
+            ref[slot] = m if torch.isnan(m) else torch.maximum(ref[slot], m)
+        sink.fold()
+    assert torch.equal(amax.nan_to_num(-1.0), ref.nan_to_num(-1.0)) and bool(torch.isnan(amax).any())
+    assert amax[8] == 0 and sink.held == 0
