@@ -44,8 +44,9 @@ micro-batches and fallbacks; a training loop repeats one or two)."""
 
 _lock = threading.Lock()
 _local = threading.local()
-_routes: dict[int, tuple[Any, AmaxSink, int]] = {}
-"""id(linear_mm_config) -> (that object, its sink, the module's first column)."""
+_routes: dict[int, tuple[Any, tuple[tuple[AmaxSink, int], ...]]] = {}
+"""id(linear_mm_config) -> (that object, ((a sink, the module's first column in it), ...)): two
+sources on one model (a second monitor, a benchmark's) each get every cast."""
 _orig: dict[str, Callable[..., Any]] = {}
 _roles: dict[Any, int] = {}
 
@@ -79,44 +80,50 @@ def unavailable(modules: Sequence[tuple[str, torch.nn.Module]]) -> str | None:
 
 
 def _install() -> None:
-    """Wrap torchao's two functions (again, if something replaced the wrappers)."""
+    """Wrap torchao's two functions, again if something replaced the wrappers (each wrapper calls
+    the function it replaced; one nested in another passes through, so a cast is recorded once)."""
     fl, fu, ft = _torchao()
     if not _roles:
         _roles.update({ft.GemmInputRole.INPUT: 0, ft.GemmInputRole.WEIGHT: 1, ft.GemmInputRole.GRAD_OUTPUT: 2})
     if not getattr(fl.hp_tensor_to_float8_dynamic, "_fp8guard", False):
-        _orig["cast"] = fl.hp_tensor_to_float8_dynamic
-        fl.hp_tensor_to_float8_dynamic = _cast
+        _orig.setdefault("cast", fl.hp_tensor_to_float8_dynamic)
+        fl.hp_tensor_to_float8_dynamic = _wrap_cast(fl.hp_tensor_to_float8_dynamic)
     if not getattr(fu.tensor_to_amax, "_fp8guard", False):
-        _orig["amax"] = fu.tensor_to_amax
-        fu.tensor_to_amax = _amax
+        _orig.setdefault("amax", fu.tensor_to_amax)
+        fu.tensor_to_amax = _wrap_amax(fu.tensor_to_amax)
 
 
-def _cast(hp_tensor: Any, float8_dtype: Any, linear_mm_config: Any, *args: Any, **kwargs: Any) -> Any:
-    route = _routes.get(id(linear_mm_config))
-    cast = _orig["cast"]
-    if route is None or route[0] is not linear_mm_config or route[1].paused:
-        return cast(hp_tensor, float8_dtype, linear_mm_config, *args, **kwargs)
-    role = kwargs["gemm_input_role"] if "gemm_input_role" in kwargs else (args[1] if len(args) > 1 else None)
-    offset = _roles.get(role, 0)  # torchao's default role is INPUT
-    outer = getattr(_local, "pending", None)
-    _local.pending = (route[1], route[2] + offset)
-    try:
-        return cast(hp_tensor, float8_dtype, linear_mm_config, *args, **kwargs)
-    finally:
-        _local.pending = outer
+def _wrap_cast(cast: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(hp_tensor: Any, float8_dtype: Any, linear_mm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        route = _routes.get(id(linear_mm_config))
+        if route is None or route[0] is not linear_mm_config or getattr(_local, "inside", False):
+            return cast(hp_tensor, float8_dtype, linear_mm_config, *args, **kwargs)
+        role = kwargs["gemm_input_role"] if "gemm_input_role" in kwargs else (args[1] if len(args) > 1 else None)
+        offset = _roles.get(role, 0)  # torchao's default role is INPUT
+        _local.pending = [(sink, base + offset) for sink, base in route[1] if not sink.paused]
+        _local.inside = True
+        try:
+            return cast(hp_tensor, float8_dtype, linear_mm_config, *args, **kwargs)
+        finally:
+            _local.pending = None
+            _local.inside = False
+
+    wrapper._fp8guard = True  # type: ignore[attr-defined]
+    return wrapper
 
 
-def _amax(*args: Any, **kwargs: Any) -> Any:
-    value = _orig["amax"](*args, **kwargs)
-    pending = getattr(_local, "pending", None)
-    if pending is not None:
-        _local.pending = None  # one amax per cast
-        pending[0].add(pending[1], value)
-    return value
+def _wrap_amax(amax: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        value = amax(*args, **kwargs)
+        pending = getattr(_local, "pending", None)
+        if pending:
+            _local.pending = None  # one amax per cast
+            for sink, slot in pending:
+                sink.add(slot, value)
+        return value
 
-
-_cast._fp8guard = True  # type: ignore[attr-defined]
-_amax._fp8guard = True  # type: ignore[attr-defined]
+    wrapper._fp8guard = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def attach(sink: AmaxSink, modules: Sequence[tuple[torch.nn.Module, int]]) -> None:
@@ -125,13 +132,19 @@ def attach(sink: AmaxSink, modules: Sequence[tuple[torch.nn.Module, int]]) -> No
         _install()
         for module, base in modules:
             cfg = module.linear_mm_config
-            _routes[id(cfg)] = (cfg, sink, base)
+            route = _routes.get(id(cfg))
+            others = route[1] if route is not None and route[0] is cfg else ()
+            _routes[id(cfg)] = (cfg, (*others, (sink, base)))
 
 
 def detach(sink: AmaxSink) -> None:
     with _lock:
-        for key in [k for k, r in _routes.items() if r[1] is sink]:
-            del _routes[key]
+        for key, (cfg, entries) in list(_routes.items()):
+            kept = tuple(e for e in entries if e[0] is not sink)
+            if kept:
+                _routes[key] = (cfg, kept)
+            else:
+                del _routes[key]
 
 
 @contextmanager

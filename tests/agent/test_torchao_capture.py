@@ -252,3 +252,32 @@ def test_fold_of_mixed_dtypes_shapes_and_nan_equals_a_loop() -> None:
         sink.fold()
     assert torch.equal(amax.nan_to_num(-1.0), ref.nan_to_num(-1.0)) and bool(torch.isnan(amax).any())
     assert amax[8] == 0 and sink.held == 0
+
+
+def test_two_sources_and_a_foreign_wrapper_on_top(sources: list[Any]) -> None:
+    """A wrapper installed over fp8guard's (another tool's, as the bench's TorchaoCasts) and a source
+    created after it: no recursion, every source gets each cast once, closing one leaves the other."""
+    import torchao.float8.float8_linear as fl
+
+    model = _model("tensorwise")
+    first = _source(model)
+    sources.append(first)
+    ours = fl.hp_tensor_to_float8_dynamic
+    calls: list[int] = []
+
+    def foreign(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return ours(*a, **k)
+
+    fl.hp_tensor_to_float8_dynamic = foreign
+    try:
+        second = _source(model)  # wraps the foreign wrapper, which calls fp8guard's first wrapper
+        sources.append(second)
+        _step(model, torch.randn(4, 32))
+        assert len(calls) == 12 and first._sink.captures == second._sink.captures == 12
+        assert torch.equal(_read(first), _read(second))
+        first.close()
+        _step(model, torch.randn(4, 32))
+        assert first._sink.captures == 12 and second._sink.captures == 24
+    finally:
+        fl.hp_tensor_to_float8_dynamic = ours
