@@ -7,6 +7,7 @@
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
 #   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
+#   bash bench/gpu_suite.sh torchao-overhead  # torchao float8: values (both ways) and overhead only, ~2.5 min
 #   bash bench/gpu_suite.sh torchao-tests  # the torchao source's CPU tests against the installed torchao
 # Several names run in order. Logs and JSON results go to $OUT (two files per part).
 set -uo pipefail
@@ -58,7 +59,7 @@ for what in "$@"; do
       fi ;;
     counts-time)
       part counts_time 240 python3 bench/gpu_counts.py time --out "$OUT" ;;
-    torchao|torchao-tests)
+    torchao|torchao-tests|torchao-overhead)
       # The GPU image has no torchao: the wheel is carried in .whl/ (--no-deps: it needs only torch).
       if ! python3 -c "import torchao.float8" 2>/dev/null; then
         if ls .whl/torchao-*.whl >/dev/null 2>&1; then
@@ -71,6 +72,8 @@ for what in "$@"; do
         # about 2.5 min: the bench paces its timing rounds to --budget-s (150 s) and writes
         # gpu_torchao.json after each recipe, and on SIGTERM from this timeout
         part torchao 220 python3 bench/gpu_torchao.py --out "$OUT"
+      elif [ "$what" = torchao-overhead ]; then
+        part torchao_overhead 240 python3 bench/gpu_torchao.py --parts values,overhead --out "$OUT"
       else
         part torchao_tests 150 python3 -m pytest -q -p no:cacheprovider tests/agent/test_torchao_source.py \
           tests/agent/test_remediation.py -k "torchao or fallback or promote"

@@ -3,27 +3,35 @@ torchao's own, the monitor's overhead side by side, and a BF16 fallback and re-p
 ``Float8Linear`` through the real Remediator while training runs.
 
     python bench/gpu_torchao.py --out DIR          # on the GPU host (bash bench/gpu_suite.sh torchao)
+    python bench/gpu_torchao.py --parts values,overhead --out DIR   # values and overhead only, ~2.5 min
+                                                   # (bash bench/gpu_suite.sh torchao-overhead)
     python bench/gpu_torchao.py --cpu-smoke --out DIR   # same code paths, emulate=True, tiny, CPU
 
 The model: ``--layers`` transformer-like blocks (LayerNorm, a fused qkv ``nn.Linear``, causal
 SDPA, an output projection, a 4x MLP with a biased ``fc1``), bf16 parameters, converted with
 ``convert_to_float8_training`` (every ``nn.Linear``) under each recipe of ``--recipes``
 (``tensorwise``, ``rowwise``); AdamW (fused on CUDA), loss MSE to a fixed target, eager mode.
-Per recipe, each part in its own try/except (a failure is recorded, the other parts still run):
+Per recipe, the parts of ``--parts``, each in its own try/except (a failure is recorded, the
+other parts still run):
 
 * ``values``: for ``--value-steps`` steps, every column of the source (input, weight and
   grad_output amax and scale of each ``Float8Linear``) against what torchao itself computed:
   its ``tensor_to_amax`` result and the ``_scale`` of the ``Float8TrainingTensor`` it cast with,
   captured by wrapping those two functions (the first cast of each role; rowwise: the largest
   per-row amax and the smallest per-row scale, which is the one of that row). Compared
-  **exactly** (bitwise float32 equality); the largest relative difference is reported too. On
-  the GPU also under CUDA autocast with float32 parameters (tensorwise).
+  **exactly** (bitwise float32 equality); the largest relative difference is reported too. Both
+  ways of the source: torchao's amaxes read back (``measure: torchao``, the default) and the
+  hooks fallback (``hooks``); then one forward and backward with a NaN in the input, which
+  the first column must show. On the GPU also under CUDA autocast with float32 parameters
+  (tensorwise; part ``autocast``, once).
 * ``overhead``: modes ``plain``, ``monitor`` (``monitor.step(loss)``, own grad norm),
   ``plain_clip`` and ``monitor_clip`` (the loop clips and passes the norm) in blocks of
   ``--block`` steps, rotating the order every round, in one process. A block is timed as
   synchronize, the steps, synchronize (throughput of a loop that never syncs); the figure is the
-  median per-step time of each mode and the ratio monitored / plain. The source's hooks are
-  detached during plain blocks, so ``plain`` is torchao alone.
+  median per-step time of each mode and the ratio monitored / plain. During plain blocks the
+  source is off (module hooks detached, torchao's functions unwrapped), so ``plain`` is torchao
+  alone. Then the device activities (kernels, copies) of one profiled plain and one monitored
+  step (GPU).
 * ``heal``: ``--heal-steps`` more training steps split in three phases; a ``fallback`` command
   for one ``Float8Linear`` arrives through ``monitor.receive_commands`` (the path the service's
   commands take) at the end of phase 1, a ``promote`` at the end of phase 2; the Remediator is
@@ -62,6 +70,7 @@ from bench._torchao_casts import TorchaoCasts
 
 BENCH = "gpu_torchao"
 MODES = ("plain", "monitor", "plain_clip", "monitor_clip")
+PARTS = ("values", "overhead", "heal", "sync", "autocast")
 
 
 def _args() -> argparse.Namespace:
@@ -69,6 +78,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_torchao.json")
     p.add_argument("--cpu-smoke", action="store_true", help="emulate=True on the CPU, tiny sizes, few steps")
     p.add_argument("--recipes", default="tensorwise,rowwise")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"which parts, of {','.join(PARTS)} (autocast: the values under CUDA autocast, once)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
@@ -173,13 +184,17 @@ class Loop:
 
 
 @contextlib.contextmanager
-def hooks_off(model: Any) -> Iterator[None]:
-    """Detach every module hook (the torchao source's) for a plain block; put them back after."""
+def source_off(model: Any) -> Iterator[None]:
+    """torchao alone for a plain block: every module hook (the source's count hooks, or its hooks
+    fallback) detached and torchao's functions unwrapped (no amax read back); all back after."""
+    from fp8guard.agent.sources.torchao_capture import unwrapped
+
     saved = [(m, m._forward_pre_hooks, m._backward_pre_hooks) for m in model.modules()]
     for m, _, _ in saved:
         m._forward_pre_hooks, m._backward_pre_hooks = type(m._forward_pre_hooks)(), type(m._backward_pre_hooks)()
     try:
-        yield
+        with unwrapped():
+            yield
     finally:
         for m, fwd, bwd in saved:
             m._forward_pre_hooks, m._backward_pre_hooks = fwd, bwd
@@ -189,11 +204,19 @@ def hooks_off(model: Any) -> Iterator[None]:
 
 
 def part_values(torch: Any, loop: Loop, steps: int) -> dict[str, Any]:
+    """Both ways of the source: torchao's amaxes read back (the default) and the hooks fallback."""
+    res = _values(torch, loop, steps, "torchao")
+    res["hooks"] = _values(torch, loop, steps, "hooks")
+    res["ok"] = res["ok"] and res["hooks"]["ok"]
+    return res
+
+
+def _values(torch: Any, loop: Loop, steps: int, measure: str) -> dict[str, Any]:
     from fp8guard.agent.sources import torchao as tsrc
     from fp8guard.agent.sources.base import AMAX, SCALE, STATS
 
-    source = tsrc.discover(loop.model, required=True)
-    assert isinstance(source, tsrc.TorchaoSource)
+    found = [(n, m) for n, m in loop.model.named_modules() if isinstance(m, tsrc.Float8Linear)]
+    source = tsrc.TorchaoSource(found, capture=measure == "torchao")
     specs = source.tensors()
     first_role = {"fwd_input": "INPUT", "fwd_weight": "WEIGHT", "bwd_grad_output": "GRAD_OUTPUT"}
     compared = amax_equal = scale_equal = consistent = 0
@@ -225,20 +248,37 @@ def part_values(torch: Any, loop: Loop, steps: int) -> dict[str, Any]:
                     if not (a_ok and s_ok) and len(mismatches) < 8:
                         mismatches.append({"column": spec.name, "amax": [float(got_amax), float(want_amax)],
                                            "scale": [float(got_scale), float(want_scale)]})
+        nan_visible = _nan_visible(torch, loop, source)
     finally:
         source.close()
-    return {"comparison": "exact (bitwise float32 equality)", "steps": steps, "columns": len(specs),
+    return {"measure": source.measure, "capture_unavailable": source.capture_unavailable,
+            "comparison": "exact (bitwise float32 equality)", "steps": steps, "columns": len(specs),
             "compared": compared, "amax_equal": amax_equal, "scale_equal": scale_equal,
             "same_amax_in_every_cast_of_a_role": consistent, "max_rel_diff_amax": rel_amax,
-            "max_rel_diff_scale": rel_scale, "mismatches": mismatches,
-            "ok": compared == len(specs) * steps and amax_equal == compared and scale_equal == compared}
+            "max_rel_diff_scale": rel_scale, "mismatches": mismatches, "nan_visible": nan_visible,
+            "ok": (source.measure == measure and compared == len(specs) * steps and amax_equal == compared
+                   and scale_equal == compared and nan_visible)}
+
+
+def _nan_visible(torch: Any, loop: Loop, source: Any) -> bool:
+    """One forward and backward (no optimizer step) with a NaN in the input: the first column's
+    amax is NaN, as torchao's own (device reductions: vector_norm, _foreach_max, the gather)."""
+    from fp8guard.agent.sources.base import AMAX, STATS
+
+    x = loop.x.clone()
+    x.view(-1)[0] = float("nan")
+    loop.model(x).float().sum().backward()
+    loop.opt.zero_grad(set_to_none=True)
+    out = torch.zeros(len(STATS), len(source.tensors()), device=loop.x.device)
+    source.read(out)
+    return bool(torch.isnan(out[AMAX, 0]))
 
 
 def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float) -> dict[str, Any]:
     cuda = loop.x.is_cuda
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     for mode in MODES:
-        with hooks_off(loop.model) if mode.startswith("plain") else contextlib.nullcontext():
+        with source_off(loop.model) if mode.startswith("plain") else contextlib.nullcontext():
             for _ in range(a.warmup):
                 loop.step(mode)
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
@@ -249,7 +289,7 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
             break
         order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
         for mode in order:
-            with hooks_off(loop.model) if mode.startswith("plain") else contextlib.nullcontext():
+            with source_off(loop.model) if mode.startswith("plain") else contextlib.nullcontext():
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(a.block):
@@ -266,14 +306,30 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
             per_step[mode].append((time.perf_counter() - t0) / a.block * 1e3)
         rounds += 1
     ms = {m: statistics.median(v) for m, v in per_step.items()}
+    launches = {m: _launches(torch, loop, m) for m in ("plain", "monitor")} if cuda else None
     res: dict[str, Any] = {
-        "ok": True, "rounds": rounds, "block": a.block, "ms_per_step": ms,
+        "ok": True, "rounds": rounds, "block": a.block, "ms_per_step": ms, "device_launches_per_step": launches,
         "ratio_monitor": ms["monitor"] / ms["plain"], "ratio_monitor_clip": ms["monitor_clip"] / ms["plain_clip"],
         "paired_ratio_monitor_median": statistics.median(
             m / p for m, p in zip(per_step["monitor"], per_step["plain"], strict=True)),
         "monitor_step_host_us_median": statistics.median(host_us) if host_us else None,
         "blocks_ms_per_step": per_step}
     return res
+
+
+def _launches(torch: Any, loop: Loop, mode: str) -> int:
+    """Device activities (kernels, copies, memsets) of one whole step under the profiler: the
+    monitor's share is the difference, and with torchao's amaxes read back it does not grow with
+    the number of casts."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    with source_off(loop.model) if mode.startswith("plain") else contextlib.nullcontext():
+        loop.step(mode)  # outside the profiler: a flush or lazy work of the first step after a switch
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            loop.step(mode)
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
 def part_diagnose(torch: Any, loop: Loop, steps: int) -> dict[str, Any]:
@@ -305,7 +361,7 @@ def part_sync(torch: Any, loop: Loop, steps: int, records: Records) -> dict[str,
         torch.cuda.synchronize()
         raised = None
         done = 0
-        with hooks_off(loop.model) if mode == "plain" else contextlib.nullcontext():
+        with source_off(loop.model) if mode == "plain" else contextlib.nullcontext():
             try:
                 for _ in range(steps):
                     torch.cuda.set_sync_debug_mode("error")
@@ -436,7 +492,10 @@ def run_recipe(torch: Any, float8: Any, a: argparse.Namespace, recipe: str, devi
     loop.step()  # first step outside every part: lazy initialisation, kernels loaded
     out["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
     out["float8_linears"] = sum(1 for m in model.modules() if hasattr(m, "linear_mm_config"))
-    _guard(lambda: part_values(torch, loop, a.value_steps), out, "values")
+    out["parts"] = a.parts
+    parts = set(a.parts.split(","))
+    if "values" in parts:
+        _guard(lambda: part_values(torch, loop, a.value_steps), out, "values")
     remediator = Remediator(model=model)
     loop.monitor = Monitor(MonitorConfig(url=None, sources=["torchao"], flush_interval_steps=50,
                                          count_interval_steps=0), transport=NullTransport()).attach(
@@ -444,11 +503,14 @@ def run_recipe(torch: Any, float8: Any, a: argparse.Namespace, recipe: str, devi
     try:
         if a.diagnose_steps:
             _guard(lambda: part_diagnose(torch, loop, a.diagnose_steps), out, "diagnose")
-        _guard(lambda: part_overhead(torch, loop, a, deadline), out, "overhead")
-        _guard(lambda: part_heal(torch, loop, a.heal_steps, remediator, start=loop.monitor.next_step), out, "heal")
-        if device == "cuda" and a.sync_steps:
+        if "overhead" in parts:
+            _guard(lambda: part_overhead(torch, loop, a, deadline), out, "overhead")
+        if "heal" in parts:
+            _guard(lambda: part_heal(torch, loop, a.heal_steps, remediator, start=loop.monitor.next_step),
+                   out, "heal")
+        if "sync" in parts and device == "cuda" and a.sync_steps:
             _guard(lambda: part_sync(torch, loop, a.sync_steps, records), out, "sync")
-        else:
+        elif "sync" in parts:
             out["sync"] = {"skipped": "GPU only"}
     finally:
         loop.monitor.close()
@@ -495,7 +557,7 @@ def main() -> None:
             _write(a.out, result)  # a later part that hangs or is killed keeps this one's results
             if device == "cuda":
                 torch.cuda.empty_cache()
-        if device == "cuda":
+        if device == "cuda" and "autocast" in a.parts.split(","):
             _guard(lambda: run_autocast_values(torch, float8, a), result, "autocast_values")
     finally:
         result["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -523,6 +585,7 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
             "values_exact": r.get("values", {}).get("ok"), "values_error": r.get("values", {}).get("error"),
             "ms_plain": ov.get("ms_per_step", {}).get("plain"), "ratio_monitor": ov.get("ratio_monitor"),
             "ratio_monitor_clip": ov.get("ratio_monitor_clip"), "overhead_error": ov.get("error"),
+            "measure": r.get("values", {}).get("measure"), "launches_per_step": ov.get("device_launches_per_step"),
             "sync_ok": r.get("sync", {}).get("ok"), "scaled_mm_per_step": r.get("heal", {}).get("scaled_mm_per_step"),
             "heal_ok": r.get("heal", {}).get("ok"), "heal_error": r.get("heal", {}).get("error")}
     if "autocast_values" in result:

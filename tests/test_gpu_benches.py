@@ -47,6 +47,9 @@ def test_torchao_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
         assert summary[recipe]["overhead_error"] is None, full["recipes"][recipe]["overhead"]
         values = full["recipes"][recipe]["values"]
         assert values["compared"] == values["columns"] * values["steps"] > 0
+        # torchao's own amaxes read back (the default) and the hooks fallback, NaN shown by both
+        assert values["measure"] == "torchao" and values["hooks"]["measure"] == "hooks"
+        assert values["nan_visible"] and values["hooks"]["ok"] and values["hooks"]["nan_visible"]
         heal = full["recipes"][recipe]["heal"]
         assert [o["status"] for o in heal["outcomes"]] == ["applied", "applied"]
         phases = [(r["phase"], r["target_casts"] > 0, r["output_equals_plain_linear"]) for r in heal["steps"]]

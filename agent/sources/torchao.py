@@ -1,17 +1,21 @@
-"""torchao float8 source (``convert_to_float8_training``). The only module that imports torchao.
+"""torchao float8 source (``convert_to_float8_training``). With :mod:`torchao_capture`, the
+only modules that import torchao.
 
 torchao scales dynamically: every cast computes its scale from the tensor's own amax, so no
-scale or amax lives in module state. This source measures them with hooks: a forward pre-hook
-(input, weight) and a backward pre-hook (grad_output) per ``Float8Linear``, each an amax
-reduction into a preallocated device buffer (max-accumulated across micro-batches until read).
-The scale is recomputed with torchao's own ops (:func:`torchao_scale`), so it equals the
-scale torchao cast with, to the bit; that makes the saturation ratio exactly 1 unless the
-tensor holds inf: what matters for dynamic scaling is amax over time and the exact underflow
-counts. Rowwise (axiswise) recipes report the tensor-wide amax, i.e. the largest of torchao's
-per-row amaxes, and the scale of that row (the smallest of torchao's per-row scales).
+scale or amax lives in module state. This source reads back the amaxes torchao computed for
+its own casts (``measure == "torchao"``, :mod:`~fp8guard.agent.sources.torchao_capture`): each
+column is the max over the casts of its role in the step (max-accumulated across
+micro-batches until read), folded on the device once per step in a fixed handful of launches.
+Measuring them again in hooks (the fallback, ``measure == "hooks"``, for a torchao laid out
+otherwise) read every input, weight and output gradient once more: 6-9% of an 8-layer step on
+the H200 (docs/gpu.md). The scale is recomputed with torchao's own ops (:func:`torchao_scale`),
+so it equals the scale torchao cast with, to the bit; that makes the saturation ratio exactly
+1 unless the tensor holds inf: what matters for dynamic scaling is amax over time and the exact
+underflow counts. Rowwise (axiswise) recipes report the tensor-wide amax, i.e. the largest of
+torchao's per-row amaxes, and the scale of that row (the smallest of torchao's per-row scales).
 
 Under CUDA autocast ``Float8Linear`` casts its input to the autocast dtype before measuring
-it; the hooks see the input before that cast, so its amax is rounded to the autocast dtype
+it; torchao's amax is that of the cast input, and the hooks round theirs the same way
 (rounding is monotonic: the amax of the rounded tensor is the rounded amax).
 
 The BF16 fallback of a ``Float8Linear`` also lives here (:func:`set_fp8`): the remediator
@@ -21,6 +25,7 @@ switches modules through :class:`TorchaoSwitch` without knowing torchao.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -30,7 +35,9 @@ from torch import nn
 
 from fp8guard.agent.errors import SourceUnavailable
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow
+from fp8guard.agent.sources import torchao_capture as _capture
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, Source, TensorSpec
+from fp8guard.agent.sources.torchao_capture import to_device
 
 __all__ = ["TorchaoSource", "TorchaoSwitch", "discover", "in_fp8", "set_fp8", "switch", "torchao_scale"]
 
@@ -158,7 +165,17 @@ class TorchaoSwitch:
 
 
 class TorchaoSource(TorchaoSwitch):
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+    """Telemetry of a model's ``Float8Linear`` modules.
+
+    ``measure`` says how amaxes are obtained: ``"torchao"`` (the default where this torchao
+    allows it) reads back the amaxes torchao computed for its own casts
+    (:mod:`~fp8guard.agent.sources.torchao_capture`); no hooks, a fixed handful of launches per
+    step. ``"hooks"`` (``capture=False``, or a torchao whose functions are laid out otherwise,
+    see ``capture_unavailable``) measures them again in a forward pre-hook (input, weight) and a
+    backward pre-hook (grad_output) per module, one single-pass reduction each. Exact counts
+    (``arm_counts``) always use those hooks, registered only while counting."""
+
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], *, capture: bool = True) -> None:
         super().__init__(modules)
         device = next(self._modules[0][1].parameters()).device
         n = len(self._specs)
@@ -171,33 +188,50 @@ class TorchaoSource(TorchaoSwitch):
         """True per column in FP8, False where the module is in BF16 (None: all in FP8)."""
         self._mask_at = _switches
         self._counting = False
-        self._paused = False
-        """True during a harm probe's forwards: they are not this step's telemetry."""
+        self._sink = _capture.AmaxSink(self._amax)
+        """torchao's own amaxes (``measure == "torchao"``); its ``paused`` flag is set during a harm
+        probe's forwards (they are not this step's telemetry) and read by the hooks too."""
         self._forwards = 0
-        """Training forwards measured since construction (a host counter, for stale_reason)."""
+        """Training forwards the hooks measured since construction (a host counter, for stale_reason)."""
         self._handles: list[Any] = []
+        self._count_handles: list[Any] = []
+        self.capture_unavailable = _capture.unavailable(self._modules) if capture else "capture=False"
+        """Why torchao's amaxes are not read back (None: they are)."""
+        self.measure = "hooks" if self.capture_unavailable else "torchao"
+        if self.measure == "torchao":
+            _capture.attach(self._sink, [(m, 3 * k) for k, (_, m) in enumerate(self._modules)])
+        else:
+            self._register(self._handles)
+
+    def _register(self, handles: list[Any]) -> None:
         for k, (_, module) in enumerate(self._modules):
-            self._handles.append(module.register_forward_pre_hook(self._forward_hook(3 * k)))
-            self._handles.append(module.register_full_backward_pre_hook(self._backward_hook(3 * k + 2)))
+            handles.append(module.register_forward_pre_hook(self._forward_hook(3 * k)))
+            handles.append(module.register_full_backward_pre_hook(self._backward_hook(3 * k + 2)))
 
     def _observe(self, slot: int, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        # torchao's own amax (torch.max(torch.abs(x))) propagates NaN into the scale: keep it visible.
-        amax = x.detach().abs().amax()
-        if dtype is not None:  # the cast torchao applies first (autocast): round the amax the same way
-            amax = amax.to(dtype)
-        amax = amax.float()
-        torch.maximum(self._amax[slot], amax, out=self._amax[slot])
+        x = x.detach()
+        amax = None
+        if self.measure == "hooks":
+            # one pass, no temporary (abs().amax() wrote |x| out first); NaN propagates, as in
+            # torchao's own torch.max(torch.abs(x)), into the scale: keep it visible
+            amax = torch.linalg.vector_norm(x, ord=math.inf)
+            if dtype is not None:  # the cast torchao applies first (autocast): round the amax the same way
+                amax = amax.to(dtype)
+            torch.maximum(self._amax[slot], amax, out=self._amax[slot])
         if self._counting:
             fmt, axis = self._formats[slot], self._axes[slot]
-            src = (x.detach() if dtype is None else x.detach().to(dtype)).float()
+            src = (x if dtype is None else x.to(dtype)).float()
             # rowwise: each row is cast with its own scale
-            a = amax if axis is None else src.abs().nan_to_num(nan=0.0).amax(dim=axis, keepdim=True)
+            if axis is None:
+                a = amax.float() if amax is not None else torch.linalg.vector_norm(src, ord=math.inf)
+            else:
+                a = src.abs().nan_to_num(nan=0.0).amax(dim=axis, keepdim=True)
             scale = torchao_scale(a, fmt.fp8_max, self._pow2[slot])
             self._counts[slot].add_(count_overflow_underflow(src, scale, fmt))
 
     def _forward_hook(self, base: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if self._paused or module.__dict__.get(_BF16, False):
+            if self._sink.paused or module.__dict__.get(_BF16, False):
                 return
             self._forwards += 1
             x = args[0]
@@ -215,20 +249,21 @@ class TorchaoSource(TorchaoSwitch):
 
     @contextmanager
     def probe(self, fp8: Mapping[str, bool]) -> Iterator[None]:
-        self._paused = True
+        self._sink.paused = True
         try:
             with super().probe(fp8):
                 yield
         finally:
-            self._paused = False
+            self._sink.paused = False
 
     def read(self, out: torch.Tensor) -> None:
+        self._sink.fold()
         amax = self._amax
         scale = torchao_scale(amax, self._fp8_max, self._pow2_mask)
         if self._mask_at != _switches:  # after a switch only, never per step
             self._mask_at = _switches
             on = [in_fp8(m) for _, m in self._modules for _ in _ROLES]
-            self._fp8_mask = None if all(on) else _to_device(torch.tensor(on), amax.device)
+            self._fp8_mask = None if all(on) else to_device(torch.tensor(on), amax.device)
         if self._fp8_mask is not None:  # a module in BF16 measured nothing: amax 0, scale 1
             scale = torch.where(self._fp8_mask, scale, self._ones)
         out[AMAX].copy_(amax)
@@ -239,10 +274,15 @@ class TorchaoSource(TorchaoSwitch):
     def stale_reason(self) -> str | None:
         """Why nothing was measured since attach (checked once by the monitor after a few steps),
         naming the fix; None when something was."""
-        if self._forwards or not any(in_fp8(m) for _, m in self._modules):
+        seen = self._sink.captures if self.measure == "torchao" else self._forwards
+        if seen or not any(in_fp8(m) for _, m in self._modules):
             return None
-        return ("fp8guard: no torchao Float8Linear has run a forward since attach, so every amax is 0: pass attach() "
-                "the model your loop trains, the one convert_to_float8_training converted (before torch.compile)")
+        why = ("fp8guard: no torchao Float8Linear has cast in FP8 since attach, so every amax is 0: pass attach() "
+               "the model your loop trains, the one convert_to_float8_training converted (before torch.compile)")
+        if self._sink.skipped:
+            why += (f"; {self._sink.skipped} casts were not plain tensors on the model's device (a cast traced by "
+                    "torch.compile, or DTensor): this source reads torchao's amaxes in eager mode only")
+        return why
 
     @property
     def supports_counts(self) -> bool:
@@ -250,23 +290,28 @@ class TorchaoSource(TorchaoSwitch):
 
     def arm_counts(self, enabled: bool) -> None:
         self._counting = enabled
+        if self.measure != "torchao":
+            return
+        if enabled and not self._count_handles:  # counting steps only: the hooks cost a pass per tensor
+            self._register(self._count_handles)
+        elif not enabled:
+            _remove(self._count_handles)
 
     def read_counts(self, out: torch.Tensor) -> None:
         out.copy_(self._counts.t())
         self._counts.zero_()
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        _capture.detach(self._sink)
+        self._sink.clear()
+        _remove(self._handles)
+        _remove(self._count_handles)
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An asynchronous copy from pinned memory: a pageable one would sync the stream inside
-    ``monitor.step`` (the pinned allocator keeps the buffer until the copy is done)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def _chunks(items: list[Fp8Format]) -> list[list[Fp8Format]]:
