@@ -163,3 +163,166 @@ def test_table_grad_norm_under_the_interpreter() -> None:
     assert [s["served"] for s in steps] == [[True] * 3, [True] * 3, [True, False, True]]  # 3 dtype groups
     assert steps[2]["table"] == steps[2]["foreach"]  # the fallback is the foreach value itself
     assert len({s["ref"] for s in steps}) == 3
+
+
+# -- every way the two variants could differ, pinned against TE's formulas on the cast's bytes --
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def _tie_inputs(fmt: Fp8Format, dtype: torch.dtype, count: int = 3) -> list[tuple[torch.Tensor, float]]:
+    """(x, scale) pairs where the exact product x * scale is a hair above half the smallest
+    subnormal but its float32 rounding is exactly half: a tie the cast rounds to even, i.e. to a
+    zero byte. x also holds its dtype neighbours (products just above and below)."""
+    half = fmt.smallest_subnormal / 2
+    found: list[tuple[torch.Tensor, float]] = []
+    for k in range(1, 4000):
+        xv = float(torch.tensor(half * (1 + k / 4096), dtype=torch.float64).to(dtype))
+        s = _f32(half / xv)
+        for _ in range(4):
+            exact = xv * s  # float64: exact (at most 24 + 24 significant bits)
+            if _f32(exact) == half and exact > half:
+                t = torch.tensor([xv], dtype=dtype)
+                up = torch.nextafter(t.float(), torch.tensor(math.inf)).to(dtype)
+                if up.item() == xv:  # bf16/fp16: the next representable value
+                    up = (t.view(torch.int16) + 1).view(dtype) if dtype != torch.float32 else up
+                down = (t.view(torch.int16) - 1).view(dtype) if dtype != torch.float32 else \
+                    torch.nextafter(t, torch.tensor(0.0))
+                x = torch.cat([t, -t, up, -up, down, -down])
+                found.append((x, s))
+                break
+            s = _f32(math.nextafter(s, math.inf))
+        if len(found) == count:
+            break
+    return found
+
+
+def edge_cases() -> list[dict]:
+    """Named (x, scale, format, cast) cases: each a way the FP8-bytes and high-precision variants
+    could part. ``cast``: ``satfinite`` (TE's: CUDA's __NV_SATFINITE, inf and overflow to +/-max)
+    or ``nonsat`` (a cast without saturation: E5M2 overflow to an inf byte, E4M3 to NaN)."""
+    cases = []
+    for fmt in FORMATS:
+        half = fmt.smallest_subnormal / 2
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for x, s in _tie_inputs(fmt, dtype):
+                cases.append({"name": f"float32 product ties at half the smallest subnormal ({fmt.value}, {dtype})",
+                              "x": x, "scale": s, "fmt": fmt, "cast": "satfinite"})
+        # exact ties in the product: x * scale == half (zero byte) and == the smallest subnormal
+        p2 = torch.tensor([half, -half, 2 * half, -2 * half, 3 * half, 1.5 * half, 0.5 * half], dtype=torch.float32)
+        cases.append({"name": f"power-of-two scale, exact ties ({fmt.value})", "x": (p2 / 4.0).to(torch.bfloat16),
+                      "scale": 4.0, "fmt": fmt, "cast": "satfinite"})
+        # signed zeros: -0.0 casts to the 0x80 byte, which TE counts as zero (no underflow)
+        zeros = torch.tensor([0.0, -0.0, 0.0, -0.0, -1e-30, 1e-30, -half / 10], dtype=torch.float32)
+        cases.append({"name": f"+0, -0 and negative underflows to the -0 byte ({fmt.value})",
+                      "x": zeros.to(torch.bfloat16), "scale": 1.0, "fmt": fmt, "cast": "satfinite"})
+        # NaN and inf: NaN is neither; inf always overflows, whatever byte the cast made of it
+        special = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, 1.0, fmt.fp8_max * 3, -fmt.fp8_max * 3])
+        for cast in ("satfinite", "nonsat"):
+            for dtype in (torch.bfloat16, torch.float32):
+                cases.append({"name": f"NaN, inf, overflow, {cast} cast ({fmt.value}, {dtype})",
+                              "x": special.to(dtype), "scale": 1.0, "fmt": fmt, "cast": cast})
+        # subnormal high-precision inputs: nonzero by their bits; with a huge scale (delayed
+        # scaling keeps float32 max when the amax is tiny) their product is a normal number
+        sub_bf16 = torch.tensor([2.0**-130, -2.0**-130, 2.0**-133, 2.0**-127, 3 * 2.0**-131], dtype=torch.float32)
+        for s in (1.0, 2.0**120, 2.0**121, 2.0**126, 3.4e38):
+            cases.append({"name": f"subnormal inputs, scale {s:g} ({fmt.value})", "x": sub_bf16.to(torch.bfloat16),
+                          "scale": s, "fmt": fmt, "cast": "satfinite"})
+            cases.append({"name": f"float32 subnormal inputs, scale {s:g} ({fmt.value})",
+                          "x": torch.tensor([1e-40, -1e-42, 1e-45, 1.1e-38]), "scale": s, "fmt": fmt,
+                          "cast": "satfinite"})
+        # the overflow threshold fp8_max * scale_inv (non power-of-two scale: scale_inv is rounded)
+        s = fmt.fp8_max / 700.0
+        thr = float(torch.tensor([fmt.fp8_max]) * torch.reciprocal(torch.tensor([s], dtype=torch.float32)))
+        near = [thr, math.nextafter(thr, math.inf), math.nextafter(thr, 0.0), fmt.fp8_max / s,
+                math.nextafter(fmt.fp8_max / s, math.inf)]
+        near = near + [-v for v in near]
+        for cast in ("satfinite", "nonsat"):
+            cases.append({"name": f"overflow threshold neighbours, {cast} cast ({fmt.value})",
+                          "x": torch.tensor(near, dtype=torch.float32), "scale": s, "fmt": fmt, "cast": cast})
+        # the largest finite byte that is not an overflow: values rounding up to fp8_max from below
+        below = torch.tensor([fmt.fp8_max * 0.97, fmt.fp8_max * 0.999, fmt.fp8_max, -fmt.fp8_max * 0.98])
+        cases.append({"name": f"values rounding to the maximum byte without overflowing ({fmt.value})",
+                      "x": below.to(torch.bfloat16), "scale": 1.0, "fmt": fmt, "cast": "satfinite"})
+    return cases
+
+
+def cast_bytes(x: torch.Tensor, scale: float, fmt: Fp8Format, cast: str) -> torch.Tensor:
+    if cast == "satfinite":
+        return quantize(x, scale, fmt).view(torch.uint8)
+    return (x.to(torch.float32) * scale).to(fmt.dtype).view(torch.uint8)
+
+
+def edge_results(backends: tuple[str, ...]) -> list[dict]:
+    """Per case: TE's formulas on the bytes, then each variant on each backend."""
+    from fp8guard.agent.fp8 import count_from_cast
+
+    rows = []
+    for case in edge_cases():
+        x, s, fmt = case["x"], case["scale"], case["fmt"]
+        scale = torch.tensor([s], dtype=torch.float32)
+        scale_inv = torch.reciprocal(scale)
+        q = cast_bytes(x, s, fmt, case["cast"])
+        row = {"name": case["name"], "te": count_from_cast(x, q, scale_inv, fmt).tolist(),
+               "reference_hp": count_overflow_underflow(x, scale[0], fmt, scale_inv=scale_inv[0]).tolist()}
+        for backend in backends:
+            for variant, fp8_bytes in (("hp", None), ("bytes", q)):
+                out = torch.zeros(2, dtype=torch.int64)
+                kernels.count_cast_into(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes,
+                                        backend=backend)
+                row[f"{variant}_{backend}"] = out.tolist()
+        rows.append(row)
+    return rows
+
+
+def test_edge_cases_torch_paths_equal_te() -> None:
+    rows = edge_results(("torch",))
+    assert len(rows) > 40
+    for row in rows:
+        assert row["te"] == row["reference_hp"] == row["hp_torch"] == row["bytes_torch"], row
+    # the cases are not vacuous: each kind of count occurs
+    assert sum(r["te"][0] for r in rows) > 20 and sum(r["te"][1] for r in rows) > 40
+    ties = [r for r in rows if r["name"].startswith("float32 product ties")]
+    assert len(ties) == 18 and all(r["te"][1] >= 2 for r in ties), ties  # each tie and its negative underflow
+
+
+def test_a_stale_scale_moves_only_the_high_precision_variant() -> None:
+    """Delayed scaling updates the quantizer's scale in place after the pass: a kernel enqueued
+    after that update (a replay, a deferred launch) reads a scale the cast never used. The bytes
+    variant needs no scale and stays equal to TE; the high-precision one does not."""
+    from fp8guard.agent.fp8 import count_from_cast
+
+    fmt = Fp8Format.E4M3
+    x, scale = _tensor(torch.bfloat16, fmt, n=4000, seed=3)
+    q = quantize(x, scale[0], fmt).view(torch.uint8)
+    te = count_from_cast(x, q, torch.reciprocal(scale), fmt).tolist()
+    updated = scale * 2.0  # the next step's scale
+    out_bytes, out_hp = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    kernels.count_cast_into(out_bytes, x, scale=updated, scale_inv=torch.reciprocal(scale), fmt=fmt, fp8_bytes=q,
+                            backend="torch")
+    kernels.count_cast_into(out_hp, x, scale=updated, scale_inv=torch.reciprocal(scale), fmt=fmt, backend="torch")
+    assert out_bytes.tolist() == te
+    assert out_hp[1] != te[1]  # fewer underflows under the doubled scale
+
+
+_EDGES_INTERPRETED = textwrap.dedent("""
+    import json
+    from tests.agent.test_kernels import edge_results
+    print(json.dumps(edge_results(("triton", "torch"))))
+""")
+
+
+@pytest.mark.slow
+def test_edge_cases_triton_variants_equal_te_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _EDGES_INTERPRETED], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) > 40
+    for row in rows:
+        assert row["te"] == row["hp_triton"] == row["bytes_triton"] == row["hp_torch"] == row["bytes_torch"], row
