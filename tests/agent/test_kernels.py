@@ -168,95 +168,9 @@ def test_table_grad_norm_under_the_interpreter() -> None:
 # -- every way the two variants could differ, pinned against TE's formulas on the cast's bytes --
 
 
-def _f32(v: float) -> float:
-    return float(torch.tensor(v, dtype=torch.float32))
-
-
-def _tie_inputs(fmt: Fp8Format, dtype: torch.dtype, count: int = 3) -> list[tuple[torch.Tensor, float]]:
-    """(x, scale) pairs where the exact product x * scale is a hair above half the smallest
-    subnormal but its float32 rounding is exactly half: a tie the cast rounds to even, i.e. to a
-    zero byte. x also holds its dtype neighbours (products just above and below)."""
-    half = fmt.smallest_subnormal / 2
-    found: list[tuple[torch.Tensor, float]] = []
-    for k in range(1, 4000):
-        xv = float(torch.tensor(half * (1 + k / 4096), dtype=torch.float64).to(dtype))
-        s = _f32(half / xv)
-        for _ in range(4):
-            exact = xv * s  # float64: exact (at most 24 + 24 significant bits)
-            if _f32(exact) == half and exact > half:
-                t = torch.tensor([xv], dtype=dtype)
-                up = torch.nextafter(t.float(), torch.tensor(math.inf)).to(dtype)
-                if up.item() == xv:  # bf16/fp16: the next representable value
-                    up = (t.view(torch.int16) + 1).view(dtype) if dtype != torch.float32 else up
-                down = (t.view(torch.int16) - 1).view(dtype) if dtype != torch.float32 else \
-                    torch.nextafter(t, torch.tensor(0.0))
-                x = torch.cat([t, -t, up, -up, down, -down])
-                found.append((x, s))
-                break
-            s = _f32(math.nextafter(s, math.inf))
-        if len(found) == count:
-            break
-    return found
-
-
-def edge_cases() -> list[dict]:
-    """Named (x, scale, format, cast) cases: each a way the FP8-bytes and high-precision variants
-    could part. ``cast``: ``satfinite`` (TE's: CUDA's __NV_SATFINITE, inf and overflow to +/-max)
-    or ``nonsat`` (a cast without saturation: E5M2 overflow to an inf byte, E4M3 to NaN)."""
-    cases = []
-    for fmt in FORMATS:
-        half = fmt.smallest_subnormal / 2
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for x, s in _tie_inputs(fmt, dtype):
-                cases.append({"name": f"float32 product ties at half the smallest subnormal ({fmt.value}, {dtype})",
-                              "x": x, "scale": s, "fmt": fmt, "cast": "satfinite"})
-        # exact ties in the product: x * scale == half (zero byte) and == the smallest subnormal
-        p2 = torch.tensor([half, -half, 2 * half, -2 * half, 3 * half, 1.5 * half, 0.5 * half], dtype=torch.float32)
-        cases.append({"name": f"power-of-two scale, exact ties ({fmt.value})", "x": (p2 / 4.0).to(torch.bfloat16),
-                      "scale": 4.0, "fmt": fmt, "cast": "satfinite"})
-        # signed zeros: -0.0 casts to the 0x80 byte, which TE counts as zero (no underflow)
-        zeros = torch.tensor([0.0, -0.0, 0.0, -0.0, -1e-30, 1e-30, -half / 10], dtype=torch.float32)
-        cases.append({"name": f"+0, -0 and negative underflows to the -0 byte ({fmt.value})",
-                      "x": zeros.to(torch.bfloat16), "scale": 1.0, "fmt": fmt, "cast": "satfinite"})
-        # NaN and inf: NaN is neither; inf always overflows, whatever byte the cast made of it
-        special = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, 1.0, fmt.fp8_max * 3, -fmt.fp8_max * 3])
-        for cast in ("satfinite", "nonsat"):
-            for dtype in (torch.bfloat16, torch.float32):
-                cases.append({"name": f"NaN, inf, overflow, {cast} cast ({fmt.value}, {dtype})",
-                              "x": special.to(dtype), "scale": 1.0, "fmt": fmt, "cast": cast})
-        # subnormal high-precision inputs: nonzero by their bits; with a huge scale (delayed
-        # scaling keeps float32 max when the amax is tiny) their product is a normal number
-        sub_bf16 = torch.tensor([2.0**-130, -2.0**-130, 2.0**-133, 2.0**-127, 3 * 2.0**-131], dtype=torch.float32)
-        for s in (1.0, 2.0**120, 2.0**121, 2.0**126, 3.4e38):
-            cases.append({"name": f"subnormal inputs, scale {s:g} ({fmt.value})", "x": sub_bf16.to(torch.bfloat16),
-                          "scale": s, "fmt": fmt, "cast": "satfinite"})
-            cases.append({"name": f"float32 subnormal inputs, scale {s:g} ({fmt.value})",
-                          "x": torch.tensor([1e-40, -1e-42, 1e-45, 1.1e-38]), "scale": s, "fmt": fmt,
-                          "cast": "satfinite"})
-        # the overflow threshold fp8_max * scale_inv (non power-of-two scale: scale_inv is rounded)
-        s = fmt.fp8_max / 700.0
-        thr = float(torch.tensor([fmt.fp8_max]) * torch.reciprocal(torch.tensor([s], dtype=torch.float32)))
-        near = [thr, math.nextafter(thr, math.inf), math.nextafter(thr, 0.0), fmt.fp8_max / s,
-                math.nextafter(fmt.fp8_max / s, math.inf)]
-        near = near + [-v for v in near]
-        for cast in ("satfinite", "nonsat"):
-            cases.append({"name": f"overflow threshold neighbours, {cast} cast ({fmt.value})",
-                          "x": torch.tensor(near, dtype=torch.float32), "scale": s, "fmt": fmt, "cast": cast})
-        # the largest finite byte that is not an overflow: values rounding up to fp8_max from below
-        below = torch.tensor([fmt.fp8_max * 0.97, fmt.fp8_max * 0.999, fmt.fp8_max, -fmt.fp8_max * 0.98])
-        cases.append({"name": f"values rounding to the maximum byte without overflowing ({fmt.value})",
-                      "x": below.to(torch.bfloat16), "scale": 1.0, "fmt": fmt, "cast": "satfinite"})
-    return cases
-
-
-def cast_bytes(x: torch.Tensor, scale: float, fmt: Fp8Format, cast: str) -> torch.Tensor:
-    if cast == "satfinite":
-        return quantize(x, scale, fmt).view(torch.uint8)
-    return (x.to(torch.float32) * scale).to(fmt.dtype).view(torch.uint8)
-
-
 def edge_results(backends: tuple[str, ...]) -> list[dict]:
     """Per case: TE's formulas on the bytes, then each variant on each backend."""
+    from bench._count_edges import cast_bytes, edge_cases
     from fp8guard.agent.fp8 import count_from_cast
 
     rows = []
@@ -284,7 +198,7 @@ def test_edge_cases_torch_paths_equal_te() -> None:
         assert row["te"] == row["reference_hp"] == row["hp_torch"] == row["bytes_torch"], row
     # the cases are not vacuous: each kind of count occurs
     assert sum(r["te"][0] for r in rows) > 20 and sum(r["te"][1] for r in rows) > 40
-    ties = [r for r in rows if r["name"].startswith("float32 product ties")]
+    ties = [r for r in rows if r["name"].startswith("float32 product ties")]  # bench/_count_edges.py
     assert len(ties) == 18 and all(r["te"][1] >= 2 for r in ties), ties  # each tie and its negative underflow
 
 
@@ -326,3 +240,24 @@ def test_edge_cases_triton_variants_equal_te_under_the_interpreter() -> None:
     assert len(rows) > 40
     for row in rows:
         assert row["te"] == row["hp_triton"] == row["bytes_triton"] == row["hp_torch"] == row["bytes_torch"], row
+
+
+def test_the_bench_probe_names_the_operand_whose_variants_disagree() -> None:
+    """bench/_count_probe.py's comparison (used by ``gpu_counts.py time`` and ``kernels``) on CPU
+    operands of the model's layout: all agree; a stale scale on one operand is named."""
+    from bench._count_probe import compare, synthetic_operands
+
+    ops = synthetic_operands(layers=1, hidden=64, tokens=96, device="cpu")
+    assert len(ops) == 12
+    ops[3].x[0, :3] = torch.tensor([1e3, -1e3, 1e-30])  # layer0.proj's input: two overflows, an underflow
+    ops[3].q = quantize(ops[3].x, ops[3].scale[0], ops[3].fmt).view(torch.uint8)
+    first = compare(ops)
+    assert first["agree"] and first["operands"] == 12 and first["disagreeing"] == 0
+    assert first["total_te"][0] > 0 and first["total_te"][1] > 0  # both counts occur in the synthetic data
+    ops[5].scale = ops[5].scale * 2.0**-30  # layer0.proj's gradient, replayed with a later scale
+    second = compare(ops)
+    assert not second["agree"] and second["disagreeing"] == 1
+    bad = second["disagreements"][0]
+    assert (bad["module"], bad["tensor"], bad["pass"], bad["fp8"], bad["dtype"]) == \
+        ("layer0.proj", "gradient", "bwd", "e5m2", "bfloat16")
+    assert bad["bytes"] == bad["te"] != bad["hp"]
