@@ -24,6 +24,7 @@ __all__ = [
     "AmaxComputeAlgo",
     "Fp8Format",
     "compute_scale",
+    "count_from_cast",
     "count_overflow_underflow",
     "dequantize",
     "nan_ignoring_amax",
@@ -142,6 +143,35 @@ def count_overflow_underflow(
     overflow = (xf.abs() > threshold).sum()
     mag = (xf * scale).abs()  # the float32 product TE's cast rounds (see _scaled)
     underflow = ((mag <= f.smallest_subnormal / 2) & (xf != 0)).sum()
+    return torch.stack((overflow, underflow)).to(torch.int64)
+
+
+_FP8_ZERO_BYTES = (0x00, 0x80)
+"""+0 and -0 in both FP8 encodings (TE's ``count_nonzero_fp8`` treats both as zero)."""
+
+
+def count_from_cast(
+    x: torch.Tensor, fp8_bytes: torch.Tensor, scale_inv: torch.Tensor | float, fmt: Fp8Format | str
+) -> torch.Tensor:
+    """``[overflows, underflows]`` (int64) of a cast already made, by TE's own formulas.
+
+    The reference the kernels are held to when the FP8 bytes exist: Transformer Engine's
+    ``compute_fp8_delayed_scaling_overflows_num`` (``x > fp8_max * scale_inv`` or
+    ``x < -fp8_max * scale_inv``, compared in float32) and its underflow statistic
+    ``count_nonzero(x) - count_nonzero_fp8(bytes)``, where both 0x00 and 0x80 (-0) are zero bytes.
+    The underflow is an aggregate difference, not an element test; it equals "nonzero ``x``
+    whose byte is +/-0" because a zero ``x`` always casts to a +/-0 byte (for any finite scale)
+    and a NaN ``x`` to a NaN byte. No scale is involved: whatever rounding, saturation or scale
+    the cast used is already in the bytes.
+    """
+    f = _as_format(fmt)
+    xf = x.detach().reshape(-1).to(torch.float32)
+    thr = torch.as_tensor(scale_inv, dtype=torch.float32, device=x.device).reshape(()) * f.fp8_max
+    overflow = ((xf > thr) | (xf < -thr)).sum()
+    q = fp8_bytes.reshape(-1).view(torch.uint8)
+    zero_bytes = ((q == _FP8_ZERO_BYTES[0]) | (q == _FP8_ZERO_BYTES[1])).sum()
+    nonzero_bytes = q.numel() - zero_bytes
+    underflow = torch.count_nonzero(xf if x.dtype == torch.float32 else x.detach().reshape(-1)) - nonzero_bytes
     return torch.stack((overflow, underflow)).to(torch.int64)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow
+from fp8guard.agent.fp8 import Fp8Format, count_from_cast, count_overflow_underflow
 
 __all__ = ["HistoryGather", "TableSumOfSquares", "count_cast_into", "triton_available"]
 
@@ -67,8 +67,16 @@ def _triton() -> Any:
         # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
         # predicate is uniform along the row, so the fetch stays a vectorised load.
         pid = tl.program_id(0)
-        # TE's threshold: fp8_max * scale_inv, one float32 product.
-        thr = tl.load(sinv_ptr) * FP8_MAX
+        # (9.09e-13, 1.54e-33 and 6.49e32 below are exactly 2**-40, 2**-109 and 2**109.)
+        # TE's threshold: fp8_max * scale_inv, one float32 product. A scale near float32 max (TE's
+        # value when the amax is tiny) has a subnormal scale_inv, which a flush-to-zero multiply
+        # would turn into a threshold of 0: the product is formed from its integer significand
+        # instead (power-of-two rescaling is exact in the normal range, where thr always lies).
+        sinv = tl.load(sinv_ptr)
+        sinv_bits = sinv.to(tl.int32, bitcast=True)
+        sinv_sub = ((sinv_bits & 0x7FFFFFFF) < 0x00800000) & ((sinv_bits & 0x7FFFFF) != 0)
+        thr = tl.where(sinv_sub, (((sinv_bits & 0x7FFFFF).to(tl.float32) * 9.094947017729282e-13) * FP8_MAX) * 1.5407439555097887e-33,
+                       sinv * FP8_MAX)
         scale = tl.load(scale_ptr)
         # per-row tallies (not a full tile of them): fewer registers, more programs in flight
         over = tl.zeros([ROWS], dtype=tl.int32)
@@ -87,11 +95,16 @@ def _triton() -> Any:
             else:
                 bits = tl.load(x_ptr + offs, mask=inside, other=0)
             nonzero = (bits & NZ_MASK) != 0
+            # float32 bit patterns by integer moves (BF16 is the top half of a float32), so no
+            # conversion instruction can flush a subnormal input to zero
             if HP_KIND == 0:
-                x = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-            elif HP_KIND == 1:
+                b32 = bits.to(tl.int32) << 16
+                x = b32.to(tl.float32, bitcast=True)
+            elif HP_KIND == 1:  # every float16 value, subnormals included, is a normal float32
                 x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+                b32 = x.to(tl.int32, bitcast=True)
             else:
+                b32 = bits
                 x = bits.to(tl.float32, bitcast=True)
             big = tl.abs(x) > thr  # NaN compares false, as in TE
             if FROM_BYTES:
@@ -99,7 +112,16 @@ def _triton() -> Any:
                 under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
             else:
                 over += tl.sum(big.to(tl.int32), axis=1)
-                under += tl.sum((nonzero & (tl.abs(x * scale) <= HALF_SUB)).to(tl.int32), axis=1)
+                # TE's cast rounds the float32 product x * scale; a zero byte is |product| <= half
+                # the smallest subnormal (the tie rounds to even: zero). A subnormal float32 x
+                # (|x| < 2**-126) goes through its integer significand m: x * scale equals
+                # (m * 2**-40 * scale) * 2**-109, and the comparison moves by the same power of
+                # two, which is exact: no flush-to-zero multiply can decide it.
+                mant = b32 & 0x7FFFFF
+                x_sub = ((b32 & 0x7FFFFFFF) < 0x00800000) & (mant != 0)
+                small = tl.where(x_sub, tl.abs((mant.to(tl.float32) * 9.094947017729282e-13) * scale) <= HALF_SUB * 6.490371073168535e+32,
+                                 tl.abs(x * scale) <= HALF_SUB)
+                under += tl.sum((nonzero & small).to(tl.int32), axis=1)
         tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
         tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
 
@@ -132,6 +154,17 @@ def _launch_shape(n: int, device: torch.device, block: int = _BLOCK, per_sm: int
     return -(-blocks // iters), iters
 
 
+COUNT_SHAPES: dict[str, tuple[int, int, int, int]] = {"hp": (_ROWS, _COLS, 8, 8), "bytes": (_ROWS, _COLS, 8, 8)}
+"""Launch shape per variant: (rows, columns of a tile, programs per multiprocessor, warps). The
+H200 figures of docs/gpu.md were taken with 64 x 64 tiles, 8 programs per SM and 8 warps for both;
+``bench/gpu_counts.py kernels`` times alternatives (it sets this table) before a default moves."""
+
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+"""Compiled count kernels by everything Triton specialises on (see :func:`_launch_count`)."""
+_fast_launch = [True]
+"""Launch through the cached compiled-kernel handle (off after any failure, and under the interpreter)."""
+
+
 def count_cast_into(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -145,15 +178,22 @@ def count_cast_into(
     """Add the exact ``[overflows, underflows]`` of the cast ``x -> fmt`` to ``out`` (int64 ``[2]``).
 
     ``scale`` and ``scale_inv`` are 1-element float32 device tensors: the scale the cast used
-    and TE's stored reciprocal. ``fp8_bytes`` (optional) is the cast's rowwise FP8 data, same
-    element order as ``x``; with it the kernel reads the 1-byte tensor and touches ``x`` only
-    where a byte is +/-0 or the maximum. ``backend``: ``auto`` (Triton where available),
-    ``triton`` or ``torch``.
+    and TE's stored reciprocal. Two variants, the same integers whenever ``scale`` is the cast's:
+
+    * without ``fp8_bytes`` (the high-precision variant) it reads ``x`` once and decides each
+      element from the float32 product ``x * scale``, the value TE's cast rounds;
+    * with ``fp8_bytes`` (the cast's rowwise FP8 data, same element order as ``x``) it reads the
+      1-byte tensor and touches ``x`` only where a byte is +/-0 or at/above the maximum code. It
+      needs no ``scale`` at all: the bytes are the cast's own result, so a scale updated in place
+      since (delayed scaling, after the pass) cannot make it wrong.
+
+    ``backend``: ``auto`` (Triton where available), ``triton`` or ``torch``. Enqueues only.
     """
     if x.numel() == 0:
         return
-    if fp8_bytes is not None and fp8_bytes.numel() != x.numel():
-        raise ValueError(f"fp8_bytes has {fp8_bytes.numel()} elements, the tensor {x.numel()}")
+    if fp8_bytes is not None and (fp8_bytes.numel() != x.numel() or fp8_bytes.element_size() != 1):
+        raise ValueError(f"fp8_bytes has {fp8_bytes.numel()} elements of {fp8_bytes.element_size()} bytes, "
+                         f"the tensor {x.numel()} (one byte each expected)")
     use_triton = backend == "triton" or (backend == "auto" and triton_available(x.device))
     if not use_triton or x.dtype not in _HP_KIND or not x.is_contiguous() or (
             fp8_bytes is not None and not fp8_bytes.is_contiguous()):
@@ -162,31 +202,67 @@ def count_cast_into(
     kernels = _triton()
     if kernels is None:
         raise RuntimeError("backend='triton' but Triton cannot be imported")
-    count_kernel = kernels[0]
+    rows, cols, per_sm, warps = COUNT_SHAPES["bytes" if fp8_bytes is not None else "hp"]
     n = x.numel()
-    bits = x.view(_BITS_VIEW[x.dtype]).reshape(-1)
-    q = fp8_bytes.view(torch.uint8).reshape(-1) if fp8_bytes is not None else bits
-    # Up to eight programs per multiprocessor (enough loads in flight to stream at memory
+    # Up to per_sm programs per multiprocessor (enough loads in flight to stream at memory
     # bandwidth), each looping over its tiles; two atomics per program.
-    grid, iters = _launch_shape(n, x.device, _ROWS * _COLS, per_sm=8)
-    count_kernel[(grid,)](
-        bits, q, scale, scale_inv, out, n,
-        FP8_MAX=fmt.fp8_max, HALF_SUB=fmt.smallest_subnormal / 2, MAX_CODE=_MAX_CODE[fmt],
-        NZ_MASK=_NONZERO_MASK[x.dtype], HP_KIND=_HP_KIND[x.dtype], FROM_BYTES=fp8_bytes is not None,
-        ROWS=_ROWS, COLS=_COLS, ITERS=iters, num_warps=8)
+    grid, iters = _launch_shape(n, x.device, rows * cols, per_sm=per_sm)
+    q = fp8_bytes if fp8_bytes is not None else x
+    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
+              fp8_bytes is not None, rows, cols, iters)
+    _launch_count(kernels[0], grid, warps, x, q, scale, scale_inv, out, n, consts)
+
+
+def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...]) -> None:
+    """One launch of the count kernel, through the compiled kernel's own handle when possible.
+
+    Triton's JIT dispatch binds and specialises every argument in Python on each call (about
+    30 us of host time here, 4.8 ms for a step's 144 operands on the H200's host). The compiled
+    kernel's handle skips that: its C launcher only reads the tensors' addresses. It is reused
+    only under the exact key Triton would compute: the constants, each address's 16-byte
+    alignment, and the element count's divisibility by 16, equality to 1 and integer width
+    (a kernel compiled for aligned addresses must never see unaligned ones).
+    """
+    bits_dtype = _BITS_VIEW[x.dtype]
+    if not _fast_launch[0] or _interpret() or x.device.type != "cuda":
+        _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
+        return
+    addresses = (x.data_ptr(), q.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), out.data_ptr())
+    key = (consts, bits_dtype, q.element_size(), warps, x.device.index, tuple(a % 16 == 0 for a in addresses),
+           n % 16 == 0, n == 1, n >= 2**31)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        handle = _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
+        if handle is not None and hasattr(handle, "__getitem__"):
+            _COMPILED[key] = handle
+        return
+    try:
+        # the views are the JIT's argument types; the launcher reads data_ptr() alone, so the
+        # tensors themselves go (same addresses), constants in signature order as the JIT passes them
+        compiled[(grid, 1, 1)](x, q, scale, scale_inv, out, n, *consts)
+    except Exception:  # an API drift in Triton's launcher: back to the JIT for good, same result
+        _fast_launch[0] = False
+        _COMPILED.clear()
+        _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
+
+
+def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
+                bits_dtype: torch.dtype) -> Any:
+    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters = consts
+    bits = x.view(bits_dtype).reshape(-1)
+    qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
+    return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
+                           MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
+                           COLS=cols, ITERS=iters, num_warps=warps)
 
 
 def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,
                   fp8_bytes: torch.Tensor | None) -> torch.Tensor:
     if fp8_bytes is None:
         return count_overflow_underflow(x, scale.reshape(()), fmt, scale_inv=scale_inv.reshape(()))
-    # TE's definitions on the cast it made: nonzero x whose byte is +/-0; |x| over the threshold.
-    mag = fp8_bytes.reshape(-1).view(torch.uint8) & 0x7F
-    xf = x.detach().reshape(-1).to(torch.float32)
-    threshold = scale_inv.reshape(()).to(torch.float32) * fmt.fp8_max
-    over = ((mag >= _MAX_CODE[fmt]) & (xf.abs() > threshold)).sum()
-    under = ((mag == 0) & (xf != 0)).sum()
-    return torch.stack((over, under)).to(torch.int64)
+    return count_from_cast(x, fp8_bytes, scale_inv.reshape(()), fmt)
 
 
 # -- device tables: the gradients' sum of squares, TE's delayed-scaling reads ------------------------------

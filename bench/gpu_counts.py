@@ -1,33 +1,38 @@
 """Exact overflow/underflow counts of every FP8 GEMM operand on a real Transformer Engine model:
-checked against TE's own statistics, then timed side by side in one run.
+both kernel variants checked against TE's own statistics, operand by operand, then timed.
 
-    python bench/gpu_counts.py verify --out DIR     # counts == TE's LogFp8TensorStats
+    python bench/gpu_counts.py verify --out DIR [--recipe current]   # exits 1 on any disagreement
     python bench/gpu_counts.py time --out DIR       # overhead every step / every 10th step
+    python bench/gpu_counts.py kernels --out DIR    # the kernels alone on the model's 144 shapes (no TE)
 
 Model: ``bench/_te_model.py`` (the 604M-parameter TE model of ``../shared/gpu/te_baseline.py``).
 Counting goes through ``TESource(exact_counts="inspect")``: TE's tensor-inspection API hands
 every quantized operand (LayerNorm outputs, MLP activations and gradients included) to
-fp8guard's ``Fp8GuardCounts`` feature, whose fused Triton kernel adds the counts into a device
-buffer.
+fp8guard's ``Fp8GuardCounts`` feature, whose Triton kernel adds the counts into a device buffer.
 
-``verify`` opens TE's debug session the way a user running TE's own features would, with three
-features on the same tensors of every step: TE's ``LogFp8TensorStats`` (``underflows%``,
-``overflows%``), fp8guard's ``Fp8GuardCounts`` and a reference feature that applies TE's own
-statistic functions (``compute_fp8_delayed_scaling_overflows_num``, ``count_nonzero`` minus
-``count_nonzero_fp8``) as exact integers. Step 2 multiplies one weight by 64 in place (forward
-overflows on that weight) and step 3 multiplies the loss by 4096 (gradient overflows), so both
-counts are exercised. Every operand of every step must match: exactly against the reference,
-and to float32 rounding against LogFp8TensorStats' percentages.
+``verify`` first casts bench/_count_edges.py's inputs (float32-product ties at the underflow
+boundary, -0, NaN, inf, subnormals under huge scales, the overflow threshold) with TE's own
+``Float8Quantizer`` and holds both compiled variants to TE's formulas on TE's bytes. Then it
+opens TE's debug session the way a user running TE's own features would, with three features on
+the same tensors of every step: TE's ``LogFp8TensorStats``, fp8guard's ``Fp8GuardCounts`` (the
+default variant), and a reference feature that computes, per operand, TE's own statistic
+functions (``compute_fp8_delayed_scaling_overflows_num``, ``count_nonzero`` minus
+``count_nonzero_fp8``) and each kernel variant (high-precision with the quantizer's scale,
+FP8-bytes) as exact integers. Step 2 multiplies one weight by 64 in place, step 3 the loss by
+4096. Every operand of every step must give the same four pairs and match LogFp8TensorStats'
+percentages to float32 rounding; each disagreement is listed by module, tensor, GEMM role, pass,
+dtype, FP8 format and recipe, and the run exits 1 with ``"ok": false``.
 
 ``time`` lets fp8guard open the session (the normal use) and runs, in rotating order, blocks of
 ``--block`` steps of: plain FP8 (TE's debug mode off), the Monitor with counting off, counting
 every 10th step, counting every step, and TE's debug path alone (counting armed, fp8guard's
 kernel skipped): the difference between the last two is the kernel's share. Each block is
 preceded by ``--settle`` untimed steps (a cadence change makes TE's layers re-ask the debug API
-once). The host time of each step is recorded too: a step whose host time exceeds its GPU time
-is host-bound. Then the 144 counting-kernel calls of one counted step are captured and replayed
-back to back (GPU-bound, CUDA events around the whole replay), in the FP8-bytes variant and the
-high-precision variant (which must give the same counts), with the bytes each one reads.
+once). The host time of each step is recorded too. Then the operands of one counted step are
+copied as TE hands them over and both variants are compared on them (named disagreements),
+timed eagerly and from a CUDA graph, with the bytes each reads and the host time per launch
+through Triton's JIT dispatch and through the cached compiled-kernel handle
+(bench/_count_probe.py).
 
 Prints one JSON line (``{"skipped": ...}`` without CUDA, TE or FP8).
 """
@@ -45,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._te_model import Records, Shape, TEModel, require_te
+from bench._te_model import Records, Shape, TEModel, require_te, skip
 
 _TENSORS = ["activation", "weight", "gradient"]
 
@@ -61,6 +66,52 @@ def _write(out: str | None, name: str, result: dict[str, Any]) -> None:
 # -- verify -----------------------------------------------------------------------------------
 
 
+def _recipe(name: str) -> Any:
+    import transformer_engine.common.recipe as recipes
+
+    if name == "current":
+        return recipes.Float8CurrentScaling(fp8_format=recipes.Format.HYBRID)
+    return recipes.DelayedScaling(fp8_format=recipes.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max")
+
+
+def te_cast_edges(torch: Any) -> dict[str, Any]:
+    """bench/_count_edges.py's inputs cast by TE's own quantizer on the GPU; both compiled variants
+    against TE's formulas on TE's bytes (ties, -0, NaN, inf, subnormals, thresholds)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    from bench._count_edges import edge_cases
+    from fp8guard.agent.fp8 import Fp8Format, count_from_cast
+    from fp8guard.agent.kernels import count_cast_into
+
+    rows, bad, errors = 0, [], []
+    for case in edge_cases():
+        if case["cast"] != "satfinite":
+            continue  # TE's cast saturates: the non-saturating bytes exist only on the CPU side
+        fmt = case["fmt"]
+        x = case["x"].cuda()
+        scale = torch.tensor([case["scale"]], dtype=torch.float32, device="cuda")
+        try:
+            quantizer = Float8Quantizer(scale=scale.clone(), amax=torch.zeros(1, device="cuda"),
+                                        fp8_dtype=tex.DType.kFloat8E4M3 if fmt is Fp8Format.E4M3
+                                        else tex.DType.kFloat8E5M2, rowwise=True, columnwise=False)
+            q = quantizer(x)
+        except Exception as exc:  # a shape or dtype TE's cast refuses: reported, not compared
+            errors.append({"case": case["name"], "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        data = q._data.view(torch.uint8)
+        te = count_from_cast(x, data, q._scale_inv, fmt).tolist()
+        got = {"te": te}
+        for variant, fp8_bytes in (("hp", None), ("bytes", data)):
+            out = torch.zeros(2, dtype=torch.int64, device="cuda")
+            count_cast_into(out, x, scale=scale, scale_inv=q._scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
+            got[variant] = out.tolist()
+        rows += 1
+        if len({tuple(v) for v in got.values()}) > 1:
+            bad.append({"case": case["name"], **got})
+    return {"cases": rows, "disagreements": bad, "agree": not bad, "te_refused": errors[:10]}
+
+
 def verify(args: argparse.Namespace) -> dict[str, Any]:
     torch, _ = require_te("gpu_counts_verify")
     import nvdlfw_inspect.api as debug_api
@@ -71,15 +122,19 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         count_nonzero_fp8,
     )
 
+    from bench._count_probe import ROLE
+    from fp8guard.agent.fp8 import Fp8Format
+    from fp8guard.agent.kernels import count_cast_into
     from fp8guard.agent.sources import te as te_source
     from fp8guard.agent.sources import te_inspect
 
-    reference: dict[tuple[str, str], Any] = {}
-    numel: dict[tuple[str, str], int] = {}
+    reference: dict[tuple[str, str], dict[str, Any]] = {}
+    info: dict[tuple[str, str], dict[str, Any]] = {}
     reference_on = [True]
 
     class TeExactReference:
-        """TE's own statistic functions on the same tensors, kept as exact int64 on the device."""
+        """On the same tensors: TE's own statistic functions, and each kernel variant, as exact
+        int64 on the device."""
 
         def parse_config_and_api(self, config: dict[str, Any], **kwargs: Any) -> tuple[bool, None]:
             return bool(config.get("enabled")) and kwargs.get("tensor_name") in (None, *_TENSORS), None
@@ -93,16 +148,28 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         def inspect_tensor(self, config: dict[str, Any], layer_name: str, tensor_name: str, iteration: int,
                            tp_group: Any, tensor: Any, rowwise_quantized_tensor: Any = None,
                            columnwise_quantized_tensor: Any = None, quantizer: Any = None, tp_size: int = 1) -> None:
-            if not reference_on[0]:
+            if not reference_on[0] or tensor is None:
                 return
             q = rowwise_quantized_tensor
-            over = compute_fp8_delayed_scaling_overflows_num(tensor, q)
-            under = tensor.count_nonzero() - count_nonzero_fp8(
-                q.get_data_tensors(rowwise_data=True, columnwise_data=False))
             key = (layer_name, tensor_name)
-            pair = torch.stack((over.to(torch.int64), under.to(torch.int64)))
-            reference[key] = pair if key not in reference else reference[key] + pair
-            numel[key] = tensor.numel()
+            data = q.get_data_tensors(rowwise_data=True, columnwise_data=False)
+            over = compute_fp8_delayed_scaling_overflows_num(tensor, q)
+            under = tensor.count_nonzero() - count_nonzero_fp8(data)
+            pairs = {"te_functions": torch.stack((over.to(torch.int64), under.to(torch.int64)))}
+            fmt = te_inspect._format_of(q, Fp8Format.E4M3)
+            scale = getattr(quantizer, "scale", None)
+            for variant, fp8_bytes, s in (("hp", None, scale), ("bytes", data, q._scale_inv)):
+                if variant == "hp" and not isinstance(scale, torch.Tensor):
+                    continue
+                if variant == "bytes" and (data is None or data.numel() != tensor.numel()):
+                    continue
+                out = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+                count_cast_into(out, tensor.detach(), scale=s, scale_inv=q._scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
+                pairs[variant] = out
+            prev = reference.get(key)
+            reference[key] = pairs if prev is None else {k: v + prev[k] for k, v in pairs.items() if k in prev}
+            info[key] = {"numel": tensor.numel(), "dtype": str(tensor.dtype).replace("torch.", ""), "fp8": fmt.value,
+                         "quantizer": type(quantizer).__name__}
 
     class Capture(BaseLogger):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -111,18 +178,23 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         def log_scalar(self, name: str, value: float | int, iteration: int, **kwargs: Any) -> None:
             self.values[(name, int(iteration))] = float(value)
 
+    edges = te_cast_edges(torch)
     te_inspect.register_feature()
     Registry.register_feature(namespace="transformer_engine")(TeExactReference)
     capture = Capture()
     import transformer_engine.debug.features as features_pkg
 
+    # TE's LogFp8TensorStats: its overflow statistic is a delayed-scaling one; under current
+    # scaling only the underflows are compared with it (the exact comparisons cover both).
+    stats = ["underflows%", "overflows%"] if args.recipe == "delayed" else ["underflows%"]
     config = {"verify": {"enabled": True, "layers": {"layer_name_regex_pattern": ".*"}, "transformer_engine": {
-        "LogFp8TensorStats": {"enabled": True, "tensors": _TENSORS, "stats": ["underflows%", "overflows%"], "freq": 1},
+        "LogFp8TensorStats": {"enabled": True, "tensors": _TENSORS, "stats": stats, "freq": 1},
         te_inspect.FEATURE_NAME: {"enabled": True, "tensors": _TENSORS},
         "TeExactReference": {"enabled": True, "tensors": _TENSORS}}}}
     debug_api.initialize(config_file=config, feature_dirs=[str(Path(features_pkg.__file__).parent)],
                          statistics_logger=capture, log_dir=tempfile.mkdtemp())
     m = TEModel(Shape(layers=args.layers))
+    m.recipe = _recipe(args.recipe)
     m.step()  # warm-up: TE creates its FP8 state (all features see iteration 0)
     debug_api.step()
     src = te_source.discover(m.model, required=True)
@@ -132,6 +204,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     n = len(src.tensors())
     steps = []
     mismatches: list[dict[str, Any]] = []
+    variants_seen: dict[str, int] = {}
     for it in range(1, args.steps + 1):
         reference.clear()
         src.arm_counts(True)
@@ -154,35 +227,43 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         totals = [0, 0]
         nonzero_over = 0
         for key, col in names.items():
+            role, direction = ROLE.get(key[1], (key[1], "?"))
+            label = {"module": key[0], "tensor": key[1], "gemm_role": role, "pass": direction,
+                     "recipe": args.recipe, **info.get(key, {})}
             if key not in reference:
-                mismatches.append({"step": it, "operand": key, "problem": "not inspected by TE this step"})
+                mismatches.append({"step": it, **label, "problem": "not inspected by TE this step"})
                 continue
-            ref = [int(v) for v in reference[key].cpu()]
-            mine = [int(ours_h[0, col]), int(ours_h[1, col])]
+            results = {"fp8guard_feature": [int(ours_h[0, col]), int(ours_h[1, col])],
+                       **{k: [int(v) for v in t.cpu()] for k, t in reference[key].items()}}
+            for k in results:
+                variants_seen[k] = variants_seen.get(k, 0) + 1
+            mine = results["fp8guard_feature"]
             compared += 1
             totals[0] += mine[0]
             totals[1] += mine[1]
             nonzero_over += mine[0] > 0
-            if mine == ref:
+            if len({tuple(v) for v in results.values()}) == 1:
                 exact += 1
-            elif len(mismatches) < 20:
-                mismatches.append({"step": it, "operand": key, "fp8guard": mine, "te_functions": ref})
+            else:
+                mismatches.append({"step": it, **label, **results})
             ok = True
             for k, stat in ((0, "overflows%"), (1, "underflows%")):
+                if stat not in stats:
+                    continue
                 logged = capture.values.get((f"{key[0]}_{key[1]}_{stat}", it))
                 if logged is None:
                     ok = False
                     continue
-                mine_pct = 100.0 * mine[k] / numel[key]
+                mine_pct = 100.0 * mine[k] / info[key]["numel"]
                 diff = abs(mine_pct - logged)
                 worst_pct = max(worst_pct, diff / max(abs(logged), 1e-30) if logged else diff)
                 ok &= diff <= 2e-6 * max(abs(logged), 1e-12) + 1e-12
             pct_ok += ok
-            if not ok and len(mismatches) < 20:
-                mismatches.append({"step": it, "operand": key, "fp8guard": mine, "numel": numel[key],
+            if not ok:
+                mismatches.append({"step": it, **label, "fp8guard": mine, "problem": "LogFp8TensorStats differs",
                                    "te_logged_pct": [capture.values.get((f"{key[0]}_{key[1]}_{s}", it))
-                                                     for s in ("overflows%", "underflows%")]})
-        steps.append({"step": it, "operands_compared": compared, "exact_vs_te_functions": exact,
+                                                     for s in stats]})
+        steps.append({"step": it, "operands_compared": compared, "all_variants_equal_te_functions": exact,
                       "equal_to_logfp8tensorstats": pct_ok, "worst_rel_pct_diff": worst_pct,
                       "overflows": totals[0], "underflows": totals[1], "operands_with_overflows": nonzero_over,
                       "step_ms_three_features": round(step_ms, 1)})
@@ -190,7 +271,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     # TE's LogFp8TensorStats alone (fp8guard's and the reference feature idle): its cost per step.
     te_only_ms = []
     reference_on[0] = False
-    for _ in range(3):
+    for _ in range(2):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         m.forward_backward()
@@ -198,11 +279,12 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         te_only_ms.append((time.perf_counter() - t0) * 1e3)
         m.opt.zero_grad(set_to_none=True)
-    all_ok = all(s["exact_vs_te_functions"] == s["operands_compared"] == s["equal_to_logfp8tensorstats"] == len(names)
-                 for s in steps)
-    return {"bench": "gpu_counts_verify", "device": torch.cuda.get_device_name(), "params_M": m.params_m,
-            "columns": n, "counted_columns": counted, "targets": len(names), "steps": steps,
-            "mismatches": mismatches, "all_equal": all_ok,
+    all_ok = all(s["all_variants_equal_te_functions"] == s["operands_compared"] == s["equal_to_logfp8tensorstats"]
+                 == len(names) for s in steps) and edges["agree"]
+    return {"bench": "gpu_counts_verify", "ok": all_ok, "recipe": args.recipe, "device": torch.cuda.get_device_name(),
+            "params_M": m.params_m, "columns": n, "counted_columns": counted, "targets": len(names),
+            "compared_per_operand": variants_seen, "default_variant": src._inspect.variant, "steps": steps,
+            "mismatches": mismatches[:60], "mismatch_count": len(mismatches), "te_cast_edge_cases": edges,
             "te_logfp8tensorstats_step_ms": [round(v, 1) for v in te_only_ms],
             "injections": {"step 2": "layer5.self_attention.proj.weight *= 64", "step 3": "loss * 4096"}}
 
@@ -217,7 +299,6 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     from transformer_engine.debug.pytorch.debug_state import TEDebugState
 
     from fp8guard.agent import Monitor, MonitorConfig, NullTransport
-    from fp8guard.agent.fp8 import Fp8Format
     from fp8guard.agent.sources import te_inspect
 
     records = Records()
@@ -275,84 +356,40 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     te_inspect.count_cast_into = real
     med = {k: statistics.median(v) for k, v in per_step.items()}
 
-    # -- kernels alone: one counted step's 144 calls captured, then replayed back to back -------
+    # -- kernels alone: one counted step's operands, copied as TE handed them over -------------
+    # Copies of the values, bytes and scales at inspect time: after the step the optimizer
+    # updates the weights in place and TE the scales (a replay on the live tensors would count
+    # different casts; the first probe of this bench compared such a replay, plus a buffer the
+    # host-timing loop had counted into twice, and reported a disagreement that was neither
+    # variant's).
+    from bench._count_probe import Operand, compare, timing
+
     use("counts_every_step")
-    captured: list[dict[str, Any]] = []
+    ops: list[Operand] = []
+    counter = src._inspect
+    real_inspect = counter.inspect
 
-    def capture(out: Any, x: Any, *, scale: Any, scale_inv: Any, fmt: Any, fp8_bytes: Any = None, **kw: Any) -> None:
-        real(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
-        # copies of the scales: TE updates them in place after the step, the replay needs the cast's
-        captured.append({"x": x, "scale": scale.clone(), "scale_inv": scale_inv.clone(), "fmt": fmt, "q": fp8_bytes})
+    def copying(layer_name: str, tensor_name: str, tensor: Any, quantized: Any, quantizer: Any) -> None:
+        real_inspect(layer_name, tensor_name, tensor, quantized, quantizer)
+        scale_inv = getattr(quantized, "_scale_inv", None)
+        if tensor is None or not isinstance(scale_inv, torch.Tensor) or (layer_name, tensor_name) not in counter.targets:
+            return
+        data = getattr(quantized, "_data", None)
+        scale = getattr(quantizer, "scale", None)
+        ops.append(Operand(layer_name, tensor_name, type(m.recipe).__name__, tensor.detach().clone(),
+                           data.view(torch.uint8).clone() if isinstance(data, torch.Tensor)
+                           and data.numel() == tensor.numel() else None,
+                           scale.clone() if isinstance(scale, torch.Tensor) else None, scale_inv.clone(),
+                           te_inspect._format_of(quantized, counter.targets[(layer_name, tensor_name)].fmt)))
 
-    te_inspect.count_cast_into = capture
+    counter.inspect = copying  # type: ignore[method-assign]
     try:
         m.step(monitor)
     finally:
-        te_inspect.count_cast_into = real
+        counter.inspect = real_inspect  # type: ignore[method-assign]
     torch.cuda.synchronize()
-    scratch = torch.zeros(len(captured), 2, dtype=torch.int64, device="cuda")
-    scratch_hp = torch.zeros_like(scratch)
-
-    def launch_all(hp: bool, dst: Any) -> None:
-        for i, c in enumerate(captured):
-            real(dst[i], c["x"], scale=c["scale"], scale_inv=c["scale_inv"], fmt=c["fmt"],
-                 fp8_bytes=None if hp else c["q"])
-
-    def best_ms(body: Any, dst: Any, repeats: int) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            dst.zero_()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            body()
-            e1.record()
-            torch.cuda.synchronize()
-            best = min(best, e0.elapsed_time(e1))
-        return best
-
-    t_bytes = best_ms(lambda: launch_all(False, scratch), scratch, 3)
-    t_hp = best_ms(lambda: launch_all(True, scratch_hp), scratch_hp, 3)
-
-    def graphed(hp: bool, dst: Any) -> float:
-        """The same 144 launches captured in a CUDA graph: GPU time alone, no launch overhead."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            launch_all(hp, dst)
-        return best_ms(graph.replay, dst, 5)
-
-    try:
-        g_bytes, g_hp = graphed(False, scratch), graphed(True, scratch_hp)
-        graph_error = None
-    except Exception as exc:  # capture can fail on some stacks; the eager figures remain
-        g_bytes = g_hp = float("nan")
-        graph_error = f"{type(exc).__name__}: {exc}"[:300]
-    # the host's share: how long enqueuing the 144 launches takes (the GPU may be waiting on it)
-    h0 = time.perf_counter()
-    for i, c in enumerate(captured):
-        real(scratch[i], c["x"], scale=c["scale"], scale_inv=c["scale_inv"], fmt=c["fmt"], fp8_bytes=c["q"])
-    launch_ms = (time.perf_counter() - h0) * 1e3
-    torch.cuda.synchronize()
-    max_code = {Fp8Format.E4M3: 0x7E, Fp8Format.E5M2: 0x7B}
-    need = sum(int(((c["q"].view(torch.uint8) & 0x7F == 0) | (c["q"].view(torch.uint8) & 0x7F >= max_code[c["fmt"]]))
-                   .sum()) for c in captured if c["q"] is not None)
-    n_elems = sum(c["x"].numel() for c in captured)
-    bytes_fp8 = sum(c["x"].numel() * (1 if c["q"] is not None else c["x"].element_size()) for c in captured) + 2 * need
-    bytes_hp = sum(c["x"].numel() * c["x"].element_size() for c in captured)
-    probe = {"kernel_calls": len(captured), "elements": n_elems,
-             "bytes_path_calls": sum(c["q"] is not None for c in captured),
-             "fp8_bytes_path_ms": round(t_bytes, 3), "fp8_bytes_path_bytes_GB": round(bytes_fp8 / 1e9, 3),
-             "fp8_bytes_path_GBps": round(bytes_fp8 / 1e6 / t_bytes),
-             "hp_elements_fetched_fraction": round(need / n_elems, 6),
-             "hp_path_ms": round(t_hp, 3), "hp_path_bytes_GB": round(bytes_hp / 1e9, 3),
-             "hp_path_GBps": round(bytes_hp / 1e6 / t_hp), "host_ms_to_enqueue_144_launches": round(launch_ms, 2),
-             "graph_fp8_bytes_path_ms": round(g_bytes, 3), "graph_fp8_bytes_path_GBps": round(bytes_fp8 / 1e6 / g_bytes)
-             if g_bytes == g_bytes else None,
-             "graph_hp_path_ms": round(g_hp, 3), "graph_hp_path_GBps": round(bytes_hp / 1e6 / g_hp)
-             if g_hp == g_hp else None, "graph_error": graph_error,
-             "both_variants_agree": bool(torch.equal(scratch, scratch_hp)),
-             "total_overflows": int(scratch[:, 0].sum()), "total_underflows": int(scratch[:, 1].sum())}
-    captured.clear()
+    probe = {"compare": compare(ops), **timing(ops)}
+    ops.clear()
     monitor.close()
     plain = med["plain"]
     return {
@@ -363,15 +400,44 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_vs_agent_no_counts": {k: round(v / med["agent_no_counts"], 5) for k, v in med.items()},
         "host_ms_per_step_median": {k: round(statistics.median(v), 2) for k, v in host.items()},
         "block_ms_min_max": {k: [round(min(v), 3), round(max(v), 3)] for k, v in per_step.items()},
-        "targets": {"counts_every_step": 1.045, "counts_every_10": 1.005},
-        "probe": probe, "timed_s": round(timed_s, 1), "agent_log": records.messages[:10],
+        "targets": {"counts_every_step": 1.15, "counts_every_10": 1.01},
+        "ok": probe["compare"]["agree"], "default_variant": src._inspect.variant, "probe": probe, "timed_s": round(timed_s, 1), "agent_log": records.messages[:10],
         "monitor_broken": bool(monitor._broken),
     }
 
 
+# -- kernels ----------------------------------------------------------------------------------
+
+
+def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Both variants on synthetic operands of the model's 144 shapes (no TE needed): agreement
+    with TE's formulas, GPU time and host enqueue cost at the default launch shape, then a sweep
+    of launch shapes (bench/_count_probe.py's SWEEP) replayed from CUDA graphs."""
+    try:
+        import torch
+    except ImportError as exc:
+        skip("gpu_counts_kernels", f"torch not importable: {exc}")
+    if not torch.cuda.is_available():
+        skip("gpu_counts_kernels", "needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from bench._count_probe import compare, sweep, synthetic_operands, timing
+    from fp8guard.agent.kernels import triton_available
+
+    if not triton_available(torch.device("cuda")):
+        skip("gpu_counts_kernels", "needs Triton on the GPU")
+    t0 = time.perf_counter()
+    ops = synthetic_operands(layers=args.layers)
+    cmp = compare(ops)
+    result = {"bench": "gpu_counts_kernels", "device": torch.cuda.get_device_name(), "ok": cmp["agree"],
+              "compare": cmp, **timing(ops), "sweep": sweep(ops)}
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["verify", "time"])
+    parser.add_argument("what", choices=["verify", "time", "kernels"])
+    parser.add_argument("--recipe", choices=["delayed", "current"], default="delayed",
+                        help="verify: DelayedScaling or Float8CurrentScaling (HYBRID)")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--steps", type=int, default=4, help="verify: counted steps compared")
     parser.add_argument("--rounds", type=int, default=10)
@@ -381,9 +447,16 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.what == "verify":
-        _write(args.out, "gpu_counts_verify.json", verify(args))
+        result = verify(args)
+        _write(args.out, f"gpu_counts_verify{'' if args.recipe == 'delayed' else '_' + args.recipe}.json", result)
+    elif args.what == "kernels":
+        result = kernel_sweep(args)
+        _write(args.out, "gpu_counts_kernels.json", result)
     else:
-        _write(args.out, "gpu_counts_time.json", time_modes(args))
+        result = time_modes(args)
+        _write(args.out, "gpu_counts_time.json", result)
+    if result.get("ok") is False:
+        sys.exit(1)  # a disagreement between the variants or with TE: named in the JSON
 
 
 if __name__ == "__main__":

@@ -35,7 +35,11 @@ for what in "$@"; do
   case "$what" in
     counts)
       part counts_verify 240 python3 bench/gpu_counts.py verify --out "$OUT"
+      part counts_verify_current 240 python3 bench/gpu_counts.py verify --recipe current --out "$OUT"
+      part counts_kernels 240 python3 bench/gpu_counts.py kernels --out "$OUT"
       part counts_time 300 python3 bench/gpu_counts.py time --out "$OUT" ;;
+    counts-kernels)
+      part counts_kernels 240 python3 bench/gpu_counts.py kernels --out "$OUT" ;;
     overhead)
       part overhead 240 python3 bench/gpu_overhead.py --out "$OUT" ;;
     host-cost)

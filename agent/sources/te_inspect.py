@@ -9,10 +9,18 @@ their high-precision values never reach a module hook. On an iteration where a d
 asks to inspect a tensor, TE materialises it in high precision, casts it with the module's own
 quantizer and calls ``inspect_tensor(tensor, rowwise_quantized_tensor, quantizer, ...)``.
 fp8guard's feature, ``Fp8GuardCounts``, then launches one fused counting kernel
-(:func:`fp8guard.agent.kernels.count_cast_into`) that reads the FP8 bytes TE produced and the
-high-precision value only where a byte is +/-0 or the maximum, and adds the exact overflow and
-underflow counts (TE's ``LogFp8TensorStats`` definitions) into the source's device buffer. No
-host sync, none of TE's stats buffers (which sync on every feed).
+(:func:`fp8guard.agent.kernels.count_cast_into`) and adds the exact overflow and underflow counts
+(TE's ``LogFp8TensorStats`` definitions) into the source's device buffer. No host sync, none of
+TE's stats buffers (which sync on every feed).
+
+Which kernel variant (:attr:`InspectCounts.variant`): the high-precision one by default. It
+reads the operand once and decides each element from ``x * quantizer.scale``, the float32
+product TE's cast rounds; it is exact because the kernel is enqueued on the stream right after
+the cast, before TE updates the scale in place (delayed scaling updates after the pass, current
+scaling recomputes it at the quantizer's next cast), so it reads the value the cast read. It
+streamed at 2.6 TB/s on the H200 against 0.77 TB/s for the FP8-bytes variant (docs/gpu.md),
+whose byte test and dependent, predicated fetches are latency-bound. The bytes variant (the
+cast's own bytes, no scale needed) is used where the quantizer exposes no scale tensor.
 
 Cost model: on the iterations it counts, TE runs its debug path for the layer (unfused
 LayerNorm+cast and activation+cast, as for any inspection feature); on the others
@@ -84,6 +92,10 @@ class InspectCounts:
         self.active = True
         self.calls = 0
         """inspect_tensor calls that counted something (a host-side tally, for tests and benches)."""
+        self.variant = "auto"
+        """``auto``: the high-precision kernel where the quantizer exposes its scale tensor, else the
+        FP8-bytes kernel; ``hp`` or ``bytes`` force one (a forced variant that lacks its input
+        falls back to the other)."""
 
     def enabled(self, iteration: int, layer_name: str, tensor_name: str) -> tuple[bool, int | None]:
         """(count on this iteration, next iteration TE must ask again; None: never)."""
@@ -108,15 +120,20 @@ class InspectCounts:
         if not isinstance(scale_inv, torch.Tensor):
             return  # not a per-tensor FP8 cast (high-precision GEMM, block scaling)
         data = getattr(quantized, "_data", None)
-        if isinstance(data, torch.Tensor) and data.numel() != tensor.numel():
+        if not isinstance(data, torch.Tensor) or data.numel() != tensor.numel():
             data = None  # not the element-for-element rowwise bytes: count from the values instead
         scale = getattr(quantizer, "scale", None)
-        if not isinstance(data, torch.Tensor) and not isinstance(scale, torch.Tensor):
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            scale = None
+        if data is None and scale is None:
+            # Neither the cast's bytes nor its scale: 1/scale_inv is not always the scale (one
+            # rounding each way), so a count from it would not be exact. Not counted.
             return
+        use_bytes = data is not None and (scale is None or self.variant == "bytes")
         fmt = _format_of(quantized, target.fmt)
-        count_cast_into(self.counts[target.index], tensor.detach(), scale=scale if isinstance(scale, torch.Tensor)
-                        else torch.reciprocal(scale_inv), scale_inv=scale_inv, fmt=fmt,
-                        fp8_bytes=data if isinstance(data, torch.Tensor) else None)
+        count_cast_into(self.counts[target.index], tensor.detach(),
+                        scale=scale if scale is not None else scale_inv, scale_inv=scale_inv, fmt=fmt,
+                        fp8_bytes=data if use_bytes else None)
         self.calls += 1
 
 

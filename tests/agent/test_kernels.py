@@ -167,3 +167,101 @@ def test_table_grad_norm_under_the_interpreter() -> None:
     assert [s["repointed"] for s in steps] == [1, 1, 2, 2, 2]
     assert steps[3]["table"] == steps[3]["foreach"] and steps[4]["table"] == steps[4]["foreach"]  # the fallbacks
     assert len({s["ref"] for s in steps}) == 5
+
+
+# -- every way the two variants could differ, pinned against TE's formulas on the cast's bytes --
+
+
+def edge_results(backends: tuple[str, ...]) -> list[dict]:
+    """Per case: TE's formulas on the bytes, then each variant on each backend."""
+    from bench._count_edges import cast_bytes, edge_cases
+    from fp8guard.agent.fp8 import count_from_cast
+
+    rows = []
+    for case in edge_cases():
+        x, s, fmt = case["x"], case["scale"], case["fmt"]
+        scale = torch.tensor([s], dtype=torch.float32)
+        scale_inv = torch.reciprocal(scale)
+        q = cast_bytes(x, s, fmt, case["cast"])
+        row = {"name": case["name"], "te": count_from_cast(x, q, scale_inv, fmt).tolist(),
+               "reference_hp": count_overflow_underflow(x, scale[0], fmt, scale_inv=scale_inv[0]).tolist()}
+        for backend in backends:
+            for variant, fp8_bytes in (("hp", None), ("bytes", q)):
+                out = torch.zeros(2, dtype=torch.int64)
+                kernels.count_cast_into(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes,
+                                        backend=backend)
+                row[f"{variant}_{backend}"] = out.tolist()
+        rows.append(row)
+    return rows
+
+
+def test_edge_cases_torch_paths_equal_te() -> None:
+    rows = edge_results(("torch",))
+    assert len(rows) > 40
+    for row in rows:
+        assert row["te"] == row["reference_hp"] == row["hp_torch"] == row["bytes_torch"], row
+    # the cases are not vacuous: each kind of count occurs
+    assert sum(r["te"][0] for r in rows) > 20 and sum(r["te"][1] for r in rows) > 40
+    ties = [r for r in rows if r["name"].startswith("float32 product ties")]  # bench/_count_edges.py
+    assert len(ties) == 18 and all(r["te"][1] >= 2 for r in ties), ties  # each tie and its negative underflow
+
+
+def test_a_stale_scale_moves_only_the_high_precision_variant() -> None:
+    """Delayed scaling updates the quantizer's scale in place after the pass: a kernel enqueued
+    after that update (a replay, a deferred launch) reads a scale the cast never used. The bytes
+    variant needs no scale and stays equal to TE; the high-precision one does not."""
+    from fp8guard.agent.fp8 import count_from_cast
+
+    fmt = Fp8Format.E4M3
+    x, scale = _tensor(torch.bfloat16, fmt, n=4000, seed=3)
+    q = quantize(x, scale[0], fmt).view(torch.uint8)
+    te = count_from_cast(x, q, torch.reciprocal(scale), fmt).tolist()
+    updated = scale * 2.0  # the next step's scale
+    out_bytes, out_hp = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    kernels.count_cast_into(out_bytes, x, scale=updated, scale_inv=torch.reciprocal(scale), fmt=fmt, fp8_bytes=q,
+                            backend="torch")
+    kernels.count_cast_into(out_hp, x, scale=updated, scale_inv=torch.reciprocal(scale), fmt=fmt, backend="torch")
+    assert out_bytes.tolist() == te
+    assert out_hp[1] != te[1]  # fewer underflows under the doubled scale
+
+
+_EDGES_INTERPRETED = textwrap.dedent("""
+    import json
+    from tests.agent.test_kernels import edge_results
+    print(json.dumps(edge_results(("triton", "torch"))))
+""")
+
+
+@pytest.mark.slow
+def test_edge_cases_triton_variants_equal_te_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _EDGES_INTERPRETED], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) > 40
+    for row in rows:
+        assert row["te"] == row["hp_triton"] == row["bytes_triton"] == row["hp_torch"] == row["bytes_torch"], row
+
+
+def test_the_bench_probe_names_the_operand_whose_variants_disagree() -> None:
+    """bench/_count_probe.py's comparison (used by ``gpu_counts.py time`` and ``kernels``) on CPU
+    operands of the model's layout: all agree; a stale scale on one operand is named."""
+    from bench._count_probe import compare, synthetic_operands
+
+    ops = synthetic_operands(layers=1, hidden=64, tokens=96, device="cpu")
+    assert len(ops) == 12
+    ops[3].x[0, :3] = torch.tensor([1e3, -1e3, 1e-30])  # layer0.proj's input: two overflows, an underflow
+    ops[3].q = quantize(ops[3].x, ops[3].scale[0], ops[3].fmt).view(torch.uint8)
+    first = compare(ops)
+    assert first["agree"] and first["operands"] == 12 and first["disagreeing"] == 0
+    assert first["total_te"][0] > 0 and first["total_te"][1] > 0  # both counts occur in the synthetic data
+    ops[5].scale = ops[5].scale * 2.0**-30  # layer0.proj's gradient, replayed with a later scale
+    second = compare(ops)
+    assert not second["agree"] and second["disagreeing"] == 1
+    bad = second["disagreements"][0]
+    assert (bad["module"], bad["tensor"], bad["pass"], bad["fp8"], bad["dtype"]) == \
+        ("layer0.proj", "gradient", "bwd", "e5m2", "bfloat16")
+    assert bad["bytes"] == bad["te"] != bad["hp"]

@@ -114,3 +114,29 @@ def test_registered_feature_routes_and_never_raises_into_training() -> None:
     assert names.count(te_inspect.FEATURE_NAME) == 1
     if not had:
         Registry.data.pop("transformer_engine")
+
+
+def test_variant_choice_high_precision_by_default_bytes_without_a_scale() -> None:
+    """The default reads ``x`` with the quantizer's scale; the bytes variant reads the cast's bytes.
+    Bytes that disagree with the values (here: all zero) tell which one ran."""
+    x = torch.tensor([1e-6, 3.0, 5e-7, -2.0, 0.0]).bfloat16()
+    scale = torch.tensor([1.0])
+    zero_bytes = SimpleNamespace(_data=torch.zeros(5, dtype=torch.uint8), _scale_inv=torch.ones(1),
+                                 _fp8_dtype="DType.kFloat8E4M3")
+    hp = count_overflow_underflow(x, 1.0, Fp8Format.E4M3).tolist()  # the two tiny values underflow
+    from_bytes = [0, 4]  # four nonzero values on zero bytes
+    assert hp == [0, 2]
+    for variant, quantizer, expected in (("auto", SimpleNamespace(scale=scale), hp),
+                                         ("bytes", SimpleNamespace(scale=scale), from_bytes),
+                                         ("hp", SimpleNamespace(), from_bytes),  # no scale: bytes anyway
+                                         ("auto", SimpleNamespace(scale=torch.ones(3)), from_bytes),  # not a scale
+                                         ("auto", None, from_bytes)):
+        c = _counter()
+        c.armed, c.variant = True, variant
+        c.inspect("layer0.qkv", "activation", x, zero_bytes, quantizer)
+        assert c.counts[0].tolist() == expected, (variant, quantizer)
+    # neither bytes nor a scale: 1/scale_inv is not the cast's scale to the last bit, so no count
+    c = _counter()
+    c.armed = True
+    c.inspect("layer0.qkv", "activation", x, SimpleNamespace(_scale_inv=torch.ones(1)), SimpleNamespace())
+    assert c.calls == 0 and c.counts.sum() == 0

@@ -1,0 +1,221 @@
+"""The counting kernels alone, on a step's worth of operands: both variants compared operand by
+operand against TE's formulas, timed eagerly and replayed from a CUDA graph, and the host time to
+enqueue them through Triton's JIT dispatch and through the cached compiled-kernel handle.
+
+Used by ``bench/gpu_counts.py time`` (the operands one counted step of the TE model handed to
+``inspect_tensor``, copied at that moment) and ``bench/gpu_counts.py kernels`` (synthetic operands
+of the same 144 shapes, no TE needed, with a sweep of launch shapes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8guard.agent import kernels
+from fp8guard.agent.fp8 import Fp8Format, count_from_cast, count_overflow_underflow
+
+ROLE = {"activation": ("fprop input (and wgrad)", "fwd"), "weight": ("fprop weight (and dgrad)", "fwd"),
+        "gradient": ("dgrad/wgrad grad output", "bwd")}
+
+
+@dataclass
+class Operand:
+    """One cast: the values, the cast's bytes (or None), the scale it used and its scale_inv,
+    all copied when the cast was inspected (TE and the optimizer change them in place later)."""
+
+    layer: str
+    tensor: str
+    recipe: str
+    x: torch.Tensor
+    q: torch.Tensor | None
+    scale: torch.Tensor | None
+    scale_inv: torch.Tensor
+    fmt: Fp8Format
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def name(self) -> dict[str, Any]:
+        role, direction = ROLE.get(self.tensor, (self.tensor, "?"))
+        return {"module": self.layer, "tensor": self.tensor, "gemm_role": role, "pass": direction,
+                "dtype": str(self.x.dtype).replace("torch.", ""), "fp8": self.fmt.value, "recipe": self.recipe,
+                "numel": self.x.numel()}
+
+
+def _run(ops: list[Operand], dst: torch.Tensor, variant: str) -> None:
+    for i, op in enumerate(ops):
+        if variant == "bytes" and op.q is None:
+            continue
+        if variant == "hp" and op.scale is None:
+            continue
+        kernels.count_cast_into(dst[i], op.x, scale=op.scale if op.scale is not None else op.scale_inv,
+                                scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q if variant == "bytes" else None)
+
+
+def compare(ops: list[Operand]) -> dict[str, Any]:
+    """Per operand: the high-precision variant, the FP8-bytes variant, and TE's formulas on the
+    bytes (``count_from_cast``; without bytes, ``count_overflow_underflow`` with the cast's
+    scale). Every disagreement is listed by name."""
+    n = len(ops)
+    device = ops[0].x.device if ops else torch.device("cuda")
+    hp = torch.zeros(n, 2, dtype=torch.int64, device=device)
+    by = torch.zeros_like(hp)
+    _run(ops, hp, "hp")
+    _run(ops, by, "bytes")
+    te = torch.stack([count_from_cast(op.x, op.q, op.scale_inv, op.fmt) if op.q is not None else
+                      count_overflow_underflow(op.x, op.scale.reshape(()), op.fmt,
+                                               scale_inv=op.scale_inv.reshape(())) if op.scale is not None else
+                      torch.full((2,), -1, dtype=torch.int64, device=device) for op in ops]) if ops else hp
+    hp_h, by_h, te_h = hp.cpu().tolist(), by.cpu().tolist(), te.cpu().tolist()
+    bad = []
+    for i, op in enumerate(ops):
+        got = {"te": te_h[i]}
+        if op.scale is not None:
+            got["hp"] = hp_h[i]
+        if op.q is not None:
+            got["bytes"] = by_h[i]
+        if len({tuple(v) for v in got.values()}) > 1:
+            bad.append({**op.name(), **got})
+    return {"operands": n, "with_bytes": sum(op.q is not None for op in ops),
+            "with_scale": sum(op.scale is not None for op in ops), "disagreeing": len(bad),
+            "disagreements": bad[:40], "agree": not bad,
+            "total_te": [sum(r[0] for r in te_h), sum(r[1] for r in te_h)]}
+
+
+def _best_ms(body: Any, dst: torch.Tensor, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        dst.zero_()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        body()
+        e1.record()
+        torch.cuda.synchronize()
+        best = min(best, e0.elapsed_time(e1))
+    return best
+
+
+def _graph_ms(ops: list[Operand], dst: torch.Tensor, variant: str, repeats: int) -> float:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(ops, dst, variant)
+    ms = _best_ms(graph.replay, dst, repeats)
+    del graph
+    return ms
+
+
+def _host_us_per_launch(ops: list[Operand], dst: torch.Tensor, variant: str, fast: bool) -> float:
+    """Host time to enqueue the operands' launches (median of 5 passes), per launch."""
+    kernels._fast_launch[0] = fast
+    try:
+        _run(ops, dst, variant)  # compiles / fills the handle cache
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            _run(ops, dst, variant)
+            times.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        times.sort()
+        return times[2] / max(1, len(ops)) * 1e6
+    finally:
+        kernels._fast_launch[0] = True
+
+
+def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
+    """GPU time of each variant (eager and graph), the bytes each reads, and host enqueue cost."""
+    dst = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
+    out: dict[str, Any] = {"kernel_calls": len(ops), "elements": sum(op.x.numel() for op in ops)}
+    max_code = {Fp8Format.E4M3: 0x7E, Fp8Format.E5M2: 0x7B}
+    fetched = 0
+    for op in ops:
+        if op.q is not None:
+            mag = op.q.view(torch.uint8) & 0x7F
+            need = (mag == 0) | (mag >= max_code[op.fmt])
+            rows = need.reshape(-1)[: need.numel() // 64 * 64].reshape(-1, 64).any(dim=1)
+            fetched += int(rows.sum()) * 64
+    hp_bytes = sum(op.x.numel() * op.x.element_size() for op in ops if op.scale is not None)
+    by_bytes = sum(op.x.numel() for op in ops if op.q is not None) + 2 * fetched
+    for variant, nbytes in (("hp", hp_bytes), ("bytes", by_bytes)):
+        eager = _best_ms(lambda v=variant: _run(ops, dst, v), dst, repeats)
+        try:
+            graph = _graph_ms(ops, dst, variant, repeats)
+            err = None
+        except Exception as exc:  # capture can fail on some stacks; eager figures remain
+            graph, err = float("nan"), f"{type(exc).__name__}: {exc}"[:200]
+        out[variant] = {"GB": round(nbytes / 1e9, 3), "eager_ms": round(eager, 3),
+                        "eager_GBps": round(nbytes / 1e6 / eager), "graph_ms": round(graph, 3),
+                        "graph_GBps": round(nbytes / 1e6 / graph) if graph == graph else None, "graph_error": err,
+                        "host_us_per_launch_jit": round(_host_us_per_launch(ops, dst, variant, False), 2),
+                        "host_us_per_launch_cached_handle": round(_host_us_per_launch(ops, dst, variant, True), 2)}
+    out["bytes"]["rows_fetched_fraction"] = round(fetched / max(1, out["elements"]), 6)
+    out["cached_handle_in_use"] = bool(kernels._fast_launch[0] and kernels._COMPILED)
+    out["fastest"] = min(("hp", "bytes"), key=lambda v: out[v]["graph_ms"] if out[v]["graph_ms"] == out[v]["graph_ms"]
+                         else out[v]["eager_ms"])
+    return out
+
+
+def synthetic_operands(layers: int = 12, hidden: int = 2048, tokens: int = 16384, seed: int = 0,
+                       device: str = "cuda") -> list[Operand]:
+    """The 144 operand shapes of bench/_te_model.py's model (12 per TransformerLayer: input,
+    weight and grad output of the QKV, projection, FC1 and FC2 GEMMs), BF16 values of a few
+    decades of spread, cast the way TE does (E4M3 forward, E5M2 gradients, scale from the amax)."""
+    from fp8guard.agent.fp8 import quantize
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = hidden
+    per_layer = [("qkv", "activation", (tokens, h)), ("qkv", "weight", (3 * h, h)), ("qkv", "gradient", (tokens, 3 * h)),
+                 ("proj", "activation", (tokens, h)), ("proj", "weight", (h, h)), ("proj", "gradient", (tokens, h)),
+                 ("fc1", "activation", (tokens, h)), ("fc1", "weight", (4 * h, h)), ("fc1", "gradient", (tokens, 4 * h)),
+                 ("fc2", "activation", (tokens, 4 * h)), ("fc2", "weight", (h, 4 * h)), ("fc2", "gradient", (tokens, h))]
+    ops = []
+    for i in range(layers):
+        for module, tensor, shape in per_layer:
+            fmt = Fp8Format.E5M2 if tensor == "gradient" else Fp8Format.E4M3
+            x = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+            x.mul_(2.0 ** (-6 if tensor == "gradient" else -1))
+            # a stale amax of 4.5 standard deviations: a few values in 10**5 clip, and rows of 64
+            # holding a zero or maximum byte are about as rare as on the TE model (0.035 %)
+            amax = 4.5 * 2.0 ** (-6 if tensor == "gradient" else -1)
+            scale = torch.tensor([fmt.fp8_max / amax], device=device)
+            q = quantize(x, scale[0], fmt).view(torch.uint8)
+            ops.append(Operand(f"layer{i}.{module}", tensor, "synthetic", x, q, scale, torch.reciprocal(scale), fmt))
+    return ops
+
+
+SWEEP = [(64, 64, 8, 8), (32, 128, 8, 8), (64, 128, 4, 8), (16, 256, 8, 4), (128, 64, 4, 8), (64, 64, 16, 4)]
+"""(rows, cols, programs per SM, warps) tried by ``kernels``; the first is the current default."""
+
+
+def sweep(ops: list[Operand], repeats: int = 3) -> dict[str, Any]:
+    """Graph-replayed GPU time of each launch shape in :data:`SWEEP`, per variant."""
+    dst = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
+    ref = torch.zeros_like(dst)
+    saved = dict(kernels.COUNT_SHAPES)
+    hp_bytes = sum(op.x.numel() * op.x.element_size() for op in ops)
+    results: dict[str, list[dict[str, Any]]] = {"hp": [], "bytes": []}
+    try:
+        for variant in ("hp", "bytes"):
+            kernels.COUNT_SHAPES.update(saved)
+            _run(ops, ref, variant)
+            for shape in SWEEP:
+                kernels.COUNT_SHAPES[variant] = shape
+                try:
+                    _run(ops, dst.zero_(), variant)  # compile outside the graph
+                    same = bool(torch.equal(dst, ref))
+                    ms = _graph_ms(ops, dst, variant, repeats)
+                    row = {"shape": list(shape), "graph_ms": round(ms, 3), "same_counts": same}
+                    if variant == "hp":
+                        row["GBps"] = round(hp_bytes / 1e6 / ms)
+                except Exception as exc:
+                    row = {"shape": list(shape), "error": f"{type(exc).__name__}: {exc}"[:200]}
+                results[variant].append(row)
+    finally:
+        kernels.COUNT_SHAPES.clear()
+        kernels.COUNT_SHAPES.update(saved)
+    best = {v: min((r for r in rows if "graph_ms" in r and r["same_counts"]), key=lambda r: r["graph_ms"],
+                   default=None) for v, rows in results.items()}
+    return {"shapes": results, "best": best}
