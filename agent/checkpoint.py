@@ -53,7 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ from torch import nn
 from fp8guard.agent.distributed import rank_and_world
 from fp8guard.agent.errors import CheckpointError, ConfigError
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointManager", "Stateful"]
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointManager", "Checkpoints", "Stateful"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -77,6 +77,30 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Checkpoints(Protocol):
+    """What a rollback (:class:`~fp8guard.agent.remediation.Remediator`) uses of a run's
+    checkpoints: :class:`CheckpointManager` is one, a framework integration's own checkpoints
+    (:class:`~fp8guard.agent.integrations._heal.FrameworkCheckpoints`) another."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Stateful | None
+
+    @property
+    def restores_data(self) -> bool: ...
+
+    def read(self, step: int) -> dict[str, Any]: ...
+
+    def restore(self, payload: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def data_position(self) -> int | None: ...
+
+    def skip_batches(self, n: int) -> int | None: ...
+
+    def discard_after(self, step: int) -> list[int]: ...
 
 
 class CheckpointManager:

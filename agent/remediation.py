@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp8guard.agent.checkpoint import CheckpointManager
+from fp8guard.agent.checkpoint import Checkpoints
 from fp8guard.agent.commands import AckStatus, Command, Outcome
 from fp8guard.agent.errors import CheckpointError, ConfigError
 from fp8guard.agent.lr_window import LrWindow
@@ -112,14 +112,14 @@ class Remediator:
         self,
         *,
         sources: Sequence[Source] = (),
-        checkpoints: CheckpointManager | None = None,
+        checkpoints: Checkpoints | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         lr_schedule_hook: Callable[[float, int], None] | None = None,
         model: nn.Module | None = None,
         sync_ranks: bool = True,
         defer_restore: bool = False,
     ) -> None:
-        if checkpoints is not None and not isinstance(checkpoints, CheckpointManager):
+        if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
             raise ConfigError(f"checkpoints must be a CheckpointManager or None, got {type(checkpoints).__name__}")
         if lr_schedule_hook is not None and not callable(lr_schedule_hook):
             raise ConfigError("lr_schedule_hook must be a callable (lr_scale, lr_scale_steps) -> None, or None")

@@ -151,6 +151,9 @@ class Tripwire:
         """Checks seen firing (by ``peek`` or ``due``)."""
         self.waits = 0
         """Due reads that found their event incomplete and waited for it."""
+        self.last_peeked: Verdict | None = None
+        """The verdict of the last check that ``peek`` saw firing (its tick and bits: whether a
+        trip goes on at the next boundary, and with which quantities)."""
 
     # -- the device side ----------------------------------------------------------------------
 
@@ -265,8 +268,10 @@ class Tripwire:
             if not self._complete(slot):
                 return None  # later checks complete after this one: nothing more to see now
             slot.peeked = True
-            if self._words[slot.index] != 0:
+            bits = int(self._words[slot.index])
+            if bits != 0:
                 self.fired_steps += 1
+                self.last_peeked = Verdict(step=slot.step, tick=slot.tick, bits=bits, peeked=True, waited=False)
                 return slot.step
         return None
 

@@ -6,7 +6,13 @@ At the end of every ``Monitor.step`` call, on every rank, commands apply
 harm probe says something is wrong, the monitor *hurries*: it ships what it recorded at once,
 asks the command listener for the decision and checks for it at the following boundaries,
 waiting up to ``tripwire_wait_s`` once; under torch.distributed every rank enters an extra
-command broadcast at the boundary where the tripwire's shared verdict is due."""
+command broadcast at the boundary where the tripwire's shared verdict is due.
+
+A trip that persists (a loss that stays high for many steps) is one incident: the monitor hurries
+at its first boundary at once, at every boundary of its first ``_EAGER_BOUNDARIES``, then only
+when a quantity not seen in it trips too (new evidence) or at streak boundaries 32, 64, 128, ...;
+the flushes every ``flush_interval_steps`` ship the rest as usual. An applied command, or a
+boundary whose check did not fire, ends the incident."""
 
 from __future__ import annotations
 
@@ -28,6 +34,13 @@ log = logging.getLogger("fp8guard.agent")
 _MAX_UNANSWERED_WAITS = 3
 """Tripwire waits in a row without a decision after which a persisting trip only ships."""
 
+_EAGER_BOUNDARIES = 16
+"""Boundaries of a trip streak at which the monitor hurries every time. The service's longest
+rule of consecutive steps is saturation over 10 in a row (``saturation_steps``, its early
+divergence rules take 3), and the tripwire's verdict reaches the host a step or two after its
+step: 16 covers a rule that decides late in a streak, so its step still ships at once (the
+two-step answer of bench/scenarios.py). Past it a streak hurries at powers of two only."""
+
 
 class CommandBoundary:
     """Owned by one Monitor: its tripwire, the urgency state, and where commands apply."""
@@ -46,6 +59,12 @@ class CommandBoundary:
         step after ``_MAX_UNANSWERED_WAITS`` of them, until a step boundary without a trip. It
         still ships at once: the step that decides may be the fourth of the streak (an LR blowup
         trips from step 1, and the service's early rule decides on step 4)."""
+        self._streak = 0
+        """Fired checks in a row in the current incident (consecutive ticks, no command applied)."""
+        self._streak_tick = -1
+        self._streak_bits = 0
+        """Verdict bits seen in the current incident (``tripwire.SHARED`` / ``LOCAL``)."""
+        self._streak_applied = 0
         self.tick = 0
         """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
         (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
@@ -67,11 +86,26 @@ class CommandBoundary:
         if fired is None:
             self._unanswered_waits = 0  # the streak of trips, if any, has ended
             return
-        log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
-        self.hurry(current)
         # Does the anomaly cost the loss? Probe this step (one process: a rank-local trip must
         # not start forwards that other ranks of a sharded model would not join).
         self.probe_now = self._m.world_size == 1
+        seen = self.tripwire.last_peeked  # the verdict peek just returned
+        if seen is None or self._news(seen.tick, seen.bits):
+            log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
+            self.hurry(current)
+
+    def _news(self, tick: int, bits: int) -> bool:
+        """Whether the fired check of boundary ``tick`` is worth hurrying for (see the module
+        docstring): the first of an incident always is; a streak of checks at consecutive ticks
+        with no command applied meanwhile is one incident."""
+        applied = len(self._m._desk.applied_ids)
+        if not (self._streak and tick == self._streak_tick + 1 and applied == self._streak_applied):
+            self._streak, self._streak_bits, self._streak_applied = 0, 0, applied
+        self._streak += 1
+        self._streak_tick = tick
+        new_bits, self._streak_bits = bits & ~self._streak_bits, self._streak_bits | bits
+        k = self._streak
+        return bool(new_bits) or k <= _EAGER_BOUNDARIES or k & (k - 1) == 0
 
     def hurry(self, current: int) -> None:
         """Ship what is recorded now and listen for the decision (a tripped tripwire, a measured
@@ -137,7 +171,7 @@ class CommandBoundary:
             return False
         if verdict is None or not verdict.fired:
             return False
-        if not verdict.peeked:
+        if not verdict.peeked and self._news(verdict.tick, verdict.bits):
             log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", verdict.step)
             if m.reporting and not m._broken:
                 try:

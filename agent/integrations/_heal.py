@@ -3,13 +3,16 @@ the service's commands through the framework's own checkpoints.
 
 * ``fallback`` / ``promote``: the stock :class:`~fp8guard.agent.remediation.Remediator` switches
   the named modules through their sources' ``set_fp8`` (nothing framework-specific).
-* ``rollback``: the framework's checkpoint of ``checkpoint_step`` (saved at global step
-  ``checkpoint_step + 1``: Lightning's ``.ckpt`` files, the Trainer's ``checkpoint-N`` folders,
-  Accelerate's ``save_state`` folders) is read and restored in place by the subclass, with the
-  framework's own loaders; the gradients of the abandoned step are cleared; checkpoints after the
-  restored one are deleted (the abandoned timeline); the data moves on to the checkpoint's data
-  position plus ``skip_batches`` optimizer steps' worth of batches; the learning rate is scaled
-  by ``lr_scale`` for ``lr_scale_steps`` steps.
+* ``rollback``: the same Remediator's one rollback path (checks, every rank reads before any
+  restores, the agreement across ranks, cleared gradients, the acknowledgement), over
+  :class:`FrameworkCheckpoints`: the framework's checkpoint of ``checkpoint_step`` (saved at
+  global step ``checkpoint_step + 1``: Lightning's ``.ckpt`` files, the Trainer's
+  ``checkpoint-N`` folders, Accelerate's ``save_state`` folders) is read and restored in place by
+  the subclass, with the framework's own loaders; checkpoints after the restored one are deleted
+  (the abandoned timeline); the data moves on to the checkpoint's data position plus
+  ``skip_batches`` optimizer steps' worth of batches; the learning rate is scaled by ``lr_scale``
+  for ``lr_scale_steps`` steps once the framework's step has settled (the Remediator's
+  ``lr_schedule_hook``: the framework steps its scheduler after the restore).
 
 Data positions count the batches this process drew from the training data (micro-batches, so
 ``skip_batches`` is multiplied by the gradient accumulation), including those skipped; each
@@ -21,18 +24,21 @@ continues where the data is, having skipped more than asked; the acknowledgement
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 
+from fp8guard.agent.checkpoint import Stateful
 from fp8guard.agent.commands import AckStatus, Command, Outcome
+from fp8guard.agent.errors import CheckpointError
 from fp8guard.agent.lr_window import LrWindow
 from fp8guard.agent.remediation import Remediator
 from fp8guard.agent.sources.base import Source
 
-__all__ = ["FrameworkHealer", "Saved"]
+__all__ = ["FrameworkCheckpoints", "FrameworkHealer", "Saved", "drop"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -48,6 +54,59 @@ class Saved:
     """The data position (batches drawn) at save time; None when unknown."""
 
 
+class FrameworkCheckpoints:
+    """A framework's checkpoints as the Remediator's rollback uses them
+    (:class:`~fp8guard.agent.checkpoint.Checkpoints`), for one :class:`FrameworkHealer`.
+
+    ``optimizer`` and ``scheduler`` are None: the learning rate goes through the Remediator's
+    ``lr_schedule_hook`` (the healer scales it once the framework's step settled), and clearing
+    the model's gradients (``set_to_none``) clears every optimizer's, since they step the model's
+    parameters."""
+
+    restores_data = True
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Stateful | None = None
+
+    def __init__(self, healer: FrameworkHealer) -> None:
+        self._healer = healer
+        self.model = healer.model
+        self.restored: Saved | None = None
+        """The checkpoint the current rollback restored."""
+        self.skipped: int | None = None
+        """The batches the current rollback skipped past the checkpoint's data position."""
+
+    def read(self, step: int) -> dict[str, Any]:
+        h = self._healer
+        saved = h.saved.get(step + 1)
+        if saved is None:
+            known = sorted(s - 1 for s in h.saved)
+            raise CheckpointError(f"no {h.framework} checkpoint of step {step} (global step {step + 1}) is known to "
+                                  f"this run; checkpoints of steps {known} are")
+        return {"saved": saved, "loaded": h._read(saved)}
+
+    def restore(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        self._healer.window = None  # the restored optimizer carries the unscaled rate
+        self._healer._restore(payload["loaded"])
+        self.restored = payload["saved"]
+        return {}
+
+    def skip_batches(self, n: int) -> int | None:
+        """Plan the data ``n`` optimizer steps' worth of batches past the restored checkpoint's
+        position (``FrameworkHealer._plan_data``); the position it goes to, when known."""
+        h, saved = self._healer, self.restored
+        assert saved is not None  # after restore
+        plan = h._plan_data(saved, n * h.accumulate, h.step)
+        self.skipped = plan.get("skipped_batches")
+        position = plan.get("data_position")
+        return None if position is None else int(position)
+
+    def data_position(self) -> int | None:
+        return self.skip_batches(0)
+
+    def discard_after(self, step: int) -> list[int]:
+        return self._healer._discard_after(step + 1)
+
+
 class FrameworkHealer:
     """A :class:`~fp8guard.agent.commands.CommandHandler` for a framework integration; the
     subclass supplies the framework's checkpoints (see the module docstring).
@@ -60,7 +119,6 @@ class FrameworkHealer:
     framework = "the framework"
 
     def __init__(self, *, sources: Sequence[Source], model: nn.Module, accumulate: int = 1) -> None:
-        self.switches = Remediator(sources=sources, model=model)
         self.model = model
         self.accumulate = max(1, int(accumulate))
         self.saved: dict[int, Saved] = {}
@@ -71,7 +129,12 @@ class FrameworkHealer:
         """Batches still to skip after the last rollback."""
         self.window: LrWindow | None = None
         self.resume_step: int | None = None
+        self.step = 0
+        """The step of the command being applied."""
         self._lr: tuple[float, int] = (1.0, 0)
+        self.checkpoints = FrameworkCheckpoints(self)
+        self.remediator = Remediator(sources=sources, model=model, checkpoints=self.checkpoints,
+                                     lr_schedule_hook=self._scale_lr_when_settled)
 
     # -- what the integration reports --------------------------------------------------------------
 
@@ -85,13 +148,22 @@ class FrameworkHealer:
     # -- the CommandHandler protocol ---------------------------------------------------------------
 
     def apply(self, command: Command, *, step: int) -> Outcome:
-        try:
-            if command.kind == "rollback":
-                return self._rollback(command, step)
-            return self.switches.apply(command, step=step)
-        except Exception as exc:  # a remediation must never take training down
-            log.exception("fp8guard: applying %s command %s failed", command.kind, command.id)
-            return Outcome(AckStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+        """The Remediator applies every command; a rollback's acknowledgement also names the
+        framework's checkpoint and the batches skipped. Never raises."""
+        if command.kind != "rollback":
+            return self.remediator.apply(command, step=step)
+        self.step = step
+        ck = self.checkpoints
+        ck.restored, ck.skipped, self._lr = None, None, (1.0, 0)
+        outcome = self.remediator.apply(command, step=step)
+        if outcome.status != AckStatus.APPLIED or ck.restored is None:
+            self._lr = (1.0, 0)
+            return outcome
+        self.resume_step = outcome.resume_step
+        extra: dict[str, Any] = {"path": ck.restored.path}
+        if ck.skipped is not None:
+            extra["skipped_batches"] = ck.skipped
+        return replace(outcome, details={**outcome.details, **extra})
 
     def on_step(self, step: int) -> None:
         """Ends a lowered-learning-rate window at its step; never raises."""
@@ -107,49 +179,9 @@ class FrameworkHealer:
 
     # -- rollback --------------------------------------------------------------------------------
 
-    def _rollback(self, command: Command, step: int) -> Outcome:
-        target = command.checkpoint_step
-        if target is None or target < 0 or target > step:
-            return Outcome(AckStatus.FAILED, error=f"rollback needs a checkpoint step in 0..{step}, got {target!r}")
-        saved = self.saved.get(target + 1)
-        error: str | None = None
-        loaded: Any = None
-        if saved is None:
-            known = sorted(s - 1 for s in self.saved)
-            error = (f"no {self.framework} checkpoint of step {target} (global step {target + 1}) is known to this "
-                     f"run; checkpoints of steps {known} are")
-        else:
-            try:
-                loaded = self._read(saved)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(self.switches.gather(error)) if e]
-        if errors:
-            return Outcome(AckStatus.FAILED, error=f"rollback to step {target} applied on no rank: {_per_rank(errors)}")
-        assert saved is not None
-        details: dict[str, Any] = {"checkpoint_step": target, "resume_step": target + 1, "path": saved.path,
-                                   "skip_batches": command.skip_batches}
-        try:
-            if self.window is not None:
-                self.window = None  # the restored optimizer carries the unscaled rate
-            self._restore(loaded)
-            self._clear_grads()
-            details["discarded_checkpoints"] = self._discard_after(target + 1)
-            details.update(self._plan_data(saved, command.skip_batches * self.accumulate, step))
-            if command.lr_scale != 1.0 and command.lr_scale_steps > 0:
-                details.update(lr_scale=command.lr_scale, lr_scale_steps=command.lr_scale_steps,
-                               lr_restore_step=target + 1 + command.lr_scale_steps)
-        except Exception as exc:
-            log.exception("fp8guard: restoring the %s checkpoint %s failed", self.framework, saved.path)
-            error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(self.switches.gather(error)) if e]
-        if errors:
-            return Outcome(AckStatus.FAILED, error=(
-                f"rollback to step {target} failed while restoring on {_per_rank(errors)}: stop the job and restart "
-                f"it from {saved.path}"))
-        self._lr = (command.lr_scale, command.lr_scale_steps)
-        self.resume_step = target + 1
-        return Outcome(AckStatus.APPLIED, resume_step=target + 1, details=details)
+    def _scale_lr_when_settled(self, scale: float, steps: int) -> None:
+        """The Remediator's ``lr_schedule_hook``: remembered until :meth:`settled`."""
+        self._lr = (scale, steps)
 
     def _plan_data(self, saved: Saved, skip: int, step: int) -> dict[str, Any]:
         """Where the data goes after the rollback (``skip`` batches past the checkpoint's
@@ -181,13 +213,6 @@ class FrameworkHealer:
                 log.exception("fp8guard: could not delete the abandoned checkpoint of global step %d", s)
         return [s - 1 for s in doomed]
 
-    def _clear_grads(self) -> None:
-        # The abandoned step's gradients would otherwise move the restored weights in the
-        # optimizer step the framework still runs in this iteration (a None grad is skipped).
-        for opt in self._optimizers():
-            opt.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-
     # -- the framework's part ----------------------------------------------------------------------
 
     def _read(self, saved: Saved) -> Any:
@@ -206,8 +231,14 @@ class FrameworkHealer:
         raise NotImplementedError
 
 
-def _per_rank(errors: list[tuple[int, str]]) -> str:
-    if len(errors) == 1 and errors[0][0] == 0:
-        return errors[0][1]
-    return "; ".join(f"rank {r}: {e}" for r, e in errors)
-
+def drop(batches: Iterator[Any], n: int) -> int:
+    """Draw ``n`` batches from a live iterator and drop them (a rollback's skip); how many there
+    were before it ended."""
+    dropped = 0
+    try:
+        for _ in range(n):
+            next(batches)
+            dropped += 1
+    except StopIteration:
+        pass
+    return dropped

@@ -28,7 +28,7 @@ from typing import Any
 
 from fp8guard.agent.errors import CheckpointError
 from fp8guard.agent.integrations._common import set_instance_attr
-from fp8guard.agent.integrations._heal import FrameworkHealer, Saved
+from fp8guard.agent.integrations._heal import FrameworkHealer, Saved, drop
 from fp8guard.agent.sources.base import Source
 
 __all__ = ["TrainerHealer"]
@@ -62,12 +62,8 @@ class TrainerHealer(FrameworkHealer):
 
     def _skip(self, epoch_iterator: Iterator[Any]) -> None:
         n, self.pending_skip = self.pending_skip, 0
-        skipped = 0
-        try:
-            for _ in range(n):
-                next(epoch_iterator)
-                skipped += 1
-        except StopIteration:
+        skipped = drop(epoch_iterator, n)
+        if skipped < n:
             log.warning("fp8guard: the epoch ended %d batches into the %d to skip after the rollback", skipped, n)
         self.drew(skipped)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from fp8guard.agent.errors import CheckpointError
 from fp8guard.agent.integrations._common import set_instance_attr
-from fp8guard.agent.integrations._heal import FrameworkHealer, Saved
+from fp8guard.agent.integrations._heal import FrameworkHealer, Saved, drop
 from fp8guard.agent.sources.base import Source
 
 __all__ = ["LightningHealer"]
@@ -138,12 +138,8 @@ class LightningHealer(FrameworkHealer):
             log.warning("fp8guard: cannot skip %d batches after the rollback: training_step takes the dataloader "
                         "iterator itself", n)
             return
-        skipped = 0
-        try:
-            for _ in range(n):
-                next(fetcher)
-                skipped += 1
-        except StopIteration:
+        skipped = drop(fetcher, n)
+        if skipped < n:
             log.warning("fp8guard: the epoch ended %d batches into the %d to skip after the rollback; the next epoch "
                         "starts from its beginning", skipped, n)
         self.drew(skipped)

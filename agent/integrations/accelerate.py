@@ -171,7 +171,7 @@ def attach_accelerate(
     healer = AccelerateHealer(accelerator, unwrapped, optimizer, heal, monitor) if heal is not None else None
     monitor.attach(unwrapped, optimizer, handler=healer or handler)
     if healer is not None:
-        healer.switches.sources = monitor.sources
+        healer.remediator.sources = monitor.sources
         monitor.accelerate_healer = healer
     monitor.watch(model)  # the model the loop calls: its replay goes through the same wrapper
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)

@@ -189,7 +189,7 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                     healer.remember(state.global_step, folder)
         monitor.attach(model, optimizer, handler=healer or self._handler)
         if healer is not None:
-            healer.switches.sources = monitor.sources
+            healer.remediator.sources = monitor.sources
         self.healer = healer
         align_rank(monitor, int(args.process_index), int(args.world_size), "the Trainer")
         self.monitor, self._live = monitor, True

@@ -144,7 +144,7 @@ class FP8GuardCallback(Callback):  # type: ignore[misc,unused-ignore]  # Any wit
                 healer.remember(self._resumed_from, os.fspath(trainer.ckpt_path))
         monitor.attach(pl_module, optimizer, handler=healer or self._handler)
         if healer is not None:
-            healer.switches.sources = monitor.sources
+            healer.remediator.sources = monitor.sources
         self.healer = healer
         align_rank(monitor, int(trainer.global_rank), int(trainer.world_size), "Lightning")
         self.monitor, self._live = monitor, True

@@ -142,9 +142,8 @@ class TESource:
             from fp8guard.agent.sources import te_inspect
 
             self._inspect = te_inspect.InspectCounts(self._inspect_targets(te_inspect.TENSOR_NAMES), self._counts)
-        if self._delayed is None:
-            self._hooks.install()  # current/block scaling: the hooks are the measurement
-        self._sentinel = FP8Sentinel([m for _, m in self._switchable], te.fp8_enabled)
+        self._hooks.sync()  # current/block scaling: the hooks are the measurement
+        self._sentinel = FP8Sentinel(self._hooks, [m for _, m in self._switchable])
         """Armed by the Monitor's first ``prepare_step``: did any TE module run in FP8 since?"""
 
     def _count_scale(self, col: Column, amax: torch.Tensor | None) -> torch.Tensor:
@@ -232,12 +231,9 @@ class TESource:
             return
         self._hooks.counting = enabled and self.supports_counts
         if self._delayed is not None:
-            # Under delayed scaling the hooks only count: present on counted steps alone, so the
-            # other steps' forwards run no per-module code of fp8guard.
-            if self._hooks.counting:
-                self._hooks.install()
-            else:
-                self._hooks.uninstall()
+            # Under delayed scaling the hooks only count: present on counted steps alone (and
+            # while the sentinel watches), so the other steps' forwards run no per-module code.
+            self._hooks.sync()
 
     def read_counts(self, out: torch.Tensor) -> None:
         out.copy_(self._counts.t())

@@ -9,6 +9,11 @@ Under any supported recipe they can also count exact overflows/underflows of tho
 
 Hooks observe only FP8 forwards with grad enabled (not eval passes, not BF16-fallback regions,
 not TE activation-recompute passes). Nothing here syncs with the host.
+
+The same pre-hooks also *watch* (:meth:`HookObserver.watch`): they note the first forward of a
+watched module under TE's FP8 autocast (a host bool, no device work), and the watch ends there
+(:mod:`~fp8guard.agent.sources.te_stale` asks whether one came). One forward pre-hook per module
+serves all three purposes; hooks are present only while one of them wants them (:meth:`sync`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ class HookObserver:
         self.measure = measure
         """Measure amaxes (current/block scaling); False: hooks only count when armed."""
         self.counting = False
+        self.watching = False
+        """Watch the modules given to :meth:`watch` for a forward under TE's FP8 autocast."""
+        self.fp8_seen = False
+        """A watched module ran a forward under TE's FP8 autocast while watched."""
+        self._watched: list[nn.Module] = []
+        self._installed: tuple[bool, bool] | None = None
+        """(observing, watching) the present hooks were registered for."""
         self._seen = [0] * n
         """Per column: the read generation of its last measured cast (``_generation``: this one)."""
         self._generation = 1
@@ -54,24 +66,47 @@ class HookObserver:
     def installed(self) -> bool:
         return bool(self._handles)
 
-    def install(self) -> None:
-        """Register the module hooks (idempotent)."""
-        if self._handles:
+    def sync(self) -> None:
+        """Hooks present exactly while wanted: measuring, counting or watching (idempotent)."""
+        plan = (self.measure or self.counting, self.watching)
+        if self._installed == plan:
             return
-        by_module: dict[int, list[Column]] = {}
-        for c in self._columns:
-            if c.hooked:
-                by_module.setdefault(id(c.module), []).append(c)
-        for cols in by_module.values():
-            module, kind = cols[0].module, cols[0].kind
+        self.uninstall()
+        if any(plan):
+            self._install(*plan)
+
+    def watch(self, modules: Sequence[nn.Module]) -> None:
+        """Start watching ``modules`` for a forward under TE's FP8 autocast (``fp8_seen``)."""
+        self._watched = list(modules)
+        self.watching = True
+        self.sync()
+
+    def unwatch(self) -> None:
+        """Stop watching (the watching hooks go unless measuring or counting needs them)."""
+        if self.watching:
+            self.watching = False
+            self.sync()
+
+    def _install(self, observing: bool, watching: bool) -> None:
+        plans: dict[int, tuple[nn.Module, list[Column]]] = {}
+        if observing:
+            for c in self._columns:
+                if c.hooked:
+                    plans.setdefault(id(c.module), (c.module, []))[1].append(c)
+        watched = {id(m) for m in self._watched} if watching else set()
+        for m in self._watched if watching else ():
+            plans.setdefault(id(m), (m, []))
+        for module, cols in plans.values():
+            kind = cols[0].kind if cols else ""
             inp = next((c for c in cols if c.side == "fwd" and c.slot % 3 == 0), None)
             weights = [(c, c.slot // 3) for c in cols if c.side == "fwd" and c.slot % 3 == 1]
             grad = next((c for c in cols if c.side == "bwd"), None)
-            if inp is not None or weights:
+            if inp is not None or weights or id(module) in watched:
                 self._handles.append(module.register_forward_pre_hook(
-                    self._pre_hook(kind, inp, weights), with_kwargs=True))
+                    self._pre_hook(kind, inp, weights, watch=id(module) in watched), with_kwargs=True))
             if grad is not None:
                 self._handles.append(module.register_forward_hook(self._output_hook(grad)))
+        self._installed = (observing, watching)
 
     def consumed(self) -> None:
         """The amaxes were read: the next cast of every operand starts a new accumulation."""
@@ -83,10 +118,11 @@ class HookObserver:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._installed = None
 
     def remove(self) -> None:
+        self.measure = self.counting = self.watching = False
         self.uninstall()
-        self.measure = self.counting = False
 
     # -- hooks (run inside the user's forward/backward) -------------------------------------------
 
@@ -95,8 +131,14 @@ class HookObserver:
             return False
         return bool(self._te.fp8_enabled()) and not self._te.recompute_phase()
 
-    def _pre_hook(self, kind: str, inp: Column | None, weights: list[tuple[Column, int]]) -> Callable[..., None]:
+    def _pre_hook(self, kind: str, inp: Column | None, weights: list[tuple[Column, int]], *,
+                  watch: bool) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if watch and self.watching and self._te.fp8_enabled():
+                # The watch ends at its first FP8 forward: the hooks are registered again without
+                # it (this call goes on; the modules after it run the new ones).
+                self.fp8_seen = True
+                self.unwatch()
             if not self._observing():
                 return
             if inp is not None:

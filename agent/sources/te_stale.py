@@ -3,16 +3,18 @@
 TE modules warmed up once under ``te.autocast`` (the source needs their FP8 state to build its
 columns) and then trained outside it keep that state frozen: every amax and scale the monitor
 ships would be the warm-up's. :class:`FP8Sentinel` notices the first forward that runs under
-TE's FP8 autocast with a forward pre-hook per TE module that reads TE's global FP8 flag (a host
-bool, no device work) and removes every hook at that first FP8 forward; in a healthy run it
-costs one step's hook calls."""
+TE's FP8 autocast through the TE source's one set of module hooks
+(:meth:`~fp8guard.agent.sources.te_hooks.HookObserver.watch`: the pre-hook reads TE's global
+FP8 flag, a host bool, no device work), and the watch ends at that first FP8 forward; in a
+healthy run it costs one step's hook calls."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from torch import nn
+
+from fp8guard.agent.sources.te_hooks import HookObserver
 
 __all__ = ["STALE_TE_MESSAGE", "FP8Sentinel"]
 
@@ -23,37 +25,32 @@ STALE_TE_MESSAGE = (
 
 
 class FP8Sentinel:
-    """One-shot forward pre-hooks on ``modules`` that record whether any forward ran under TE's
-    FP8 autocast (``fp8_enabled``); all of them go at the first such forward, or at :meth:`remove`."""
+    """Whether any of ``modules`` ran a forward under TE's FP8 autocast since :meth:`arm`,
+    watched by ``observer``'s hooks until the first such forward, or :meth:`remove`."""
 
-    def __init__(self, modules: Sequence[nn.Module], fp8_enabled: Callable[[], bool]) -> None:
+    def __init__(self, observer: HookObserver, modules: Sequence[nn.Module]) -> None:
+        self._observer = observer
         self._modules = list(modules)
-        self._fp8_enabled = fp8_enabled
-        self._handles: list[Any] = []
-        self.seen = False
-        """A TE module ran a forward in FP8 since :meth:`arm`."""
         self._armed = False
+
+    @property
+    def seen(self) -> bool:
+        """A TE module ran a forward in FP8 since :meth:`arm`."""
+        return self._observer.fp8_seen
 
     def arm(self) -> None:
         """Start watching (once; later calls do nothing)."""
         if self._armed:
             return
         self._armed = True
-        self._handles = [m.register_forward_pre_hook(self._hook) for m in self._modules]
-
-    def _hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self.seen and self._fp8_enabled():
-            self.seen = True
-            self.remove()
+        self._observer.watch(self._modules)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._observer.unwatch()
 
     def stale_reason(self, *, any_fp8: bool) -> str | None:
         """The warning when armed, no FP8 forward was seen and some module is meant to run in
-        FP8 (``any_fp8``: not every module fell back to BF16); the hooks go either way."""
+        FP8 (``any_fp8``: not every module fell back to BF16); the watch ends either way."""
         self.remove()
         if not self._armed or self.seen or not any_fp8:
             return None

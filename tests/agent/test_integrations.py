@@ -16,21 +16,11 @@ pytest.importorskip("torch")
 
 import torch
 
-from fp8guard.agent import MonitorConfig, emulate_fp8
+from fp8guard.agent import MonitorConfig
 from fp8guard.agent.transport import HttpTransport, RunInfo
-from fp8guard.nanogpt import GPT, GPTConfig
+from tests.integration_helpers import TinyGPT, batches, lightning_tiny_gpt, pl_warnings, tiny_gpt
 
-TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
 N_TENSORS = 3 * 5  # 4 linears of the block + lm_head, 3 operands each
-
-
-def _batches(n: int, batch_size: int = 2, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, TINY.vocab_size, (batch_size, TINY.block_size + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    return out
 
 
 def _transport(client: Any, run_id: str, tmp_path: Path) -> HttpTransport:
@@ -67,15 +57,9 @@ def _check_run(client: Any, run_id: str, steps: list[int], *, loss_steps: list[i
 
 
 def _lightning_module() -> Any:
-    pytest.importorskip("lightning")
-    from lightning.pytorch import LightningModule
-
-    class TinyGPT(LightningModule):
+    class Module(lightning_tiny_gpt()):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            self.fp8 = emulate_fp8(self.gpt)
             self.losses: list[float] = []
             self.norms: list[float] = []
 
@@ -97,9 +81,9 @@ def _lightning_module() -> Any:
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
         def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(_batches(4), batch_size=None)  # an epoch is 4 steps
+            return torch.utils.data.DataLoader(batches(4), batch_size=None)  # an epoch is 4 steps
 
-    return TinyGPT()
+    return Module()
 
 
 def _lightning_trainer(tmp_path: Path, max_steps: int, callback: Any, **kw: Any) -> Any:
@@ -113,21 +97,7 @@ def _lightning_trainer(tmp_path: Path, max_steps: int, callback: Any, **kw: Any)
                    log_every_n_steps=1, callbacks=[callback, ckpt], **kw)
 
 
-_PL_WARNINGS = (
-    # The data is a list of in-memory batches: worker processes would only slow a 4-step test down.
-    "ignore:The 'train_dataloader' does not have many workers:UserWarning",
-    # Lightning 2.6 still builds torch's LeafSpec, which torch 2.13 deprecates.
-    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning",
-)
-
-
-def _pl_warnings(f: Any) -> Any:
-    for w in _PL_WARNINGS:
-        f = pytest.mark.filterwarnings(w)(f)
-    return f
-
-
-@_pl_warnings
+@pl_warnings
 def test_lightning_callback_streams_checkpoints_and_resumes(client: Any, tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     from fp8guard.agent.integrations.lightning import FP8GuardCallback
@@ -159,7 +129,7 @@ def test_lightning_callback_streams_checkpoints_and_resumes(client: Any, tmp_pat
     assert [e["data"]["global_step"] for e in resumed] == [4]
 
 
-@_pl_warnings
+@pl_warnings
 def test_lightning_exception_marks_run_failed(client: Any, tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     from fp8guard.agent.integrations.lightning import FP8GuardCallback
@@ -184,18 +154,13 @@ def test_lightning_exception_marks_run_failed(client: Any, tmp_path: Path) -> No
 # ---------------------------------------------------------------------------- transformers
 
 
-class _HFGPT(torch.nn.Module):
+class _HFGPT(TinyGPT):
     """The tiny GPT in emulated FP8, speaking the Trainer's language (keyword inputs, a loss out)."""
 
     def __init__(self, *, as_tuple: bool = False) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.gpt = GPT(TINY)
-        self.fp8 = emulate_fp8(self.gpt)
         self.as_tuple = as_tuple
         self.losses: list[float] = []
-        # The emulation scales update once per forward/backward pair: after this backward.
-        self.gpt.lm_head.weight.register_post_accumulate_grad_hook(lambda p: self.fp8.update())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
         _, loss = self.gpt(input_ids, labels)
@@ -206,7 +171,7 @@ class _HFGPT(torch.nn.Module):
 
 
 def _hf_dataset(n: int) -> list[dict[str, torch.Tensor]]:
-    return [{"input_ids": x[i], "labels": y[i]} for x, y in _batches(n // 2) for i in range(2)]
+    return [{"input_ids": x[i], "labels": y[i]} for x, y in batches(n // 2) for i in range(2)]
 
 
 def _hf_train(tmp_path: Path, model: torch.nn.Module, callback: Any, **kw: Any) -> Any:
@@ -285,16 +250,14 @@ def test_accelerate_hooks_persist_and_restore_the_run(client: Any, tmp_path: Pat
 
     def train(accelerator: Any, monitor_steps: int, *, run_id: str | None = None,
               resume: Path | None = None) -> tuple[Any, list[float]]:
-        torch.manual_seed(0)
-        gpt = GPT(TINY)
-        fp8 = emulate_fp8(gpt)
+        gpt, fp8 = tiny_gpt()
         model, opt = accelerator.prepare(gpt, torch.optim.AdamW(gpt.parameters(), lr=3e-3))
         monitor = attach_accelerate(accelerator, model, opt, MonitorConfig(run_id=run_id, flush_interval_steps=2),
                                     transport=_transport(client, "acc-run", tmp_path), resume_from=resume)
         if resume is not None:
             accelerator.load_state(str(resume))
         losses = []
-        for x, y in _batches(monitor_steps):
+        for x, y in batches(monitor_steps):
             _, loss = model(x, y)
             accelerator.backward(loss)
             fp8.update()

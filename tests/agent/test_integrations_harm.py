@@ -18,12 +18,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fp8guard.agent import MonitorConfig, emulate_fp8  # noqa: E402
+from fp8guard.agent import MonitorConfig  # noqa: E402
 from fp8guard.agent.sources.emulation import EmulationSource  # noqa: E402
 from fp8guard.agent.transport import JsonlFileTransport  # noqa: E402
-from fp8guard.nanogpt import GPT, GPTConfig  # noqa: E402
+from tests.integration_helpers import TinyGPT, batches, lightning_tiny_gpt, pl_warnings, tiny_gpt  # noqa: E402
 
-TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
 STEPS = 5
 ACCUMULATE = 2
 INTERVAL = 2
@@ -32,15 +31,6 @@ PROBED = [s for s in range(1, STEPS) if s % INTERVAL == 0]  # [2, 4]: the probe 
 
 def _config(run_id: str) -> MonitorConfig:
     return MonitorConfig(run_id=run_id, harm_interval_steps=INTERVAL, flush_interval_steps=2, tripwire=False)
-
-
-def _batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, TINY.vocab_size, (2, TINY.block_size + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    return out
 
 
 def _steps(path: Path) -> dict[int, dict[str, Any]]:
@@ -79,32 +69,17 @@ def _check_probes(steps: dict[int, dict[str, Any]], expected: dict[int, tuple[fl
 
 # ---------------------------------------------------------------------------------- Lightning
 
-_PL_WARNINGS = (
-    "ignore:The 'train_dataloader' does not have many workers:UserWarning",
-    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning",
-)
-
-
-def _pl_warnings(f: Any) -> Any:
-    for w in _PL_WARNINGS:
-        f = pytest.mark.filterwarnings(w)(f)
-    return f
-
-
 def _lightning_fit(tmp_path: Path, harm_probe: Any = True) -> tuple[Any, Any, Path]:
-    pytest.importorskip("lightning")
-    from lightning.pytorch import LightningModule, Trainer
+    base = lightning_tiny_gpt()
+    from lightning.pytorch import Trainer
 
     from fp8guard.agent.integrations.lightning import FP8GuardCallback
 
-    class TinyGPT(LightningModule):
+    class Module(base):  # type: ignore[misc,valid-type]
         """Logs in training_step, as ordinary modules do; records what the test compares with."""
 
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            self.fp8 = emulate_fp8(self.gpt)
             self.log_calls = 0
             self.step_calls = 0
             self.backward_losses: list[float] = []
@@ -146,11 +121,11 @@ def _lightning_fit(tmp_path: Path, harm_probe: Any = True) -> tuple[Any, Any, Pa
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
         def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(_batches(STEPS * ACCUMULATE), batch_size=None)
+            return torch.utils.data.DataLoader(batches(STEPS * ACCUMULATE), batch_size=None)
 
     path = tmp_path / "pl.jsonl"
     cb = FP8GuardCallback(_config("pl-harm"), transport=JsonlFileTransport(path), harm_probe=harm_probe)
-    module = TinyGPT()
+    module = Module()
     trainer = Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, accelerator="cpu", devices=1,
                       logger=False, enable_checkpointing=False, default_root_dir=tmp_path, enable_progress_bar=False,
                       enable_model_summary=False, log_every_n_steps=1, callbacks=[cb])
@@ -158,23 +133,23 @@ def _lightning_fit(tmp_path: Path, harm_probe: Any = True) -> tuple[Any, Any, Pa
     return module, trainer, path
 
 
-@_pl_warnings
+@pl_warnings
 def test_lightning_probe_reruns_training_step_on_the_last_micro_batch_without_logging(tmp_path: Path) -> None:
     module, _, path = _lightning_fit(tmp_path)
     steps = _steps(path)
     _check_probes(steps, module.expected)
     # the last micro-batch, not the first one
     assert all(steps[s]["loss_fp8"] != pytest.approx(module.first_micro[s], rel=1e-6) for s in PROBED)
-    batches = STEPS * ACCUMULATE
-    assert module.step_calls >= batches + 2 * len(PROBED)  # the probe did re-run training_step ...
-    assert module.log_calls == batches  # ... and nothing it logged got through
+    n_batches = STEPS * ACCUMULATE
+    assert module.step_calls >= n_batches + 2 * len(PROBED)  # the probe did re-run training_step ...
+    assert module.log_calls == n_batches  # ... and nothing it logged got through
     assert "log" not in module.__dict__ and "log_dict" not in module.__dict__  # silencing undone
     # the step's loss: the mean of its micro-batches' (Lightning divided each by ACCUMULATE)
-    per_step = [sum(module.backward_losses[i:i + ACCUMULATE]) for i in range(0, batches, ACCUMULATE)]
+    per_step = [sum(module.backward_losses[i:i + ACCUMULATE]) for i in range(0, n_batches, ACCUMULATE)]
     assert [steps[s]["loss"] for s in range(STEPS)] == pytest.approx(per_step, rel=1e-6)
 
 
-@_pl_warnings
+@pl_warnings
 def test_lightning_probe_opt_out_and_own_loss(tmp_path: Path) -> None:
     _, _, path = _lightning_fit(tmp_path / "off", harm_probe=False)
     assert not any("fp8_loss_gap" in r for r in _steps(path).values())
@@ -193,17 +168,13 @@ def test_lightning_probe_opt_out_and_own_loss(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- transformers
 
 
-class _HFGPT(torch.nn.Module):
+class _HFGPT(TinyGPT):
     """The tiny GPT in emulated FP8 as the Trainer wants it (keyword inputs, a loss out)."""
 
     def __init__(self, *, as_tuple: bool = False) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.gpt = GPT(TINY)
-        self.fp8 = emulate_fp8(self.gpt)
         self.as_tuple = as_tuple
         self.last_inputs: dict[str, torch.Tensor] = {}
-        self.gpt.lm_head.weight.register_post_accumulate_grad_hook(lambda p: self.fp8.update())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         logits, loss = self.gpt(input_ids, labels)
@@ -219,7 +190,7 @@ def _hf_train(tmp_path: Path, model: _HFGPT, callbacks: list[Any], **kw: Any) ->
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2, report_to=[],
                              use_cpu=True, save_strategy="no", learning_rate=3e-3, disable_tqdm=True,
                              dataloader_num_workers=0, seed=0, gradient_accumulation_steps=ACCUMULATE, **kw)
-    data = [{"input_ids": x[i], "labels": y[i]} for x, y in _batches(STEPS * ACCUMULATE) for i in range(2)]
+    data = [{"input_ids": x[i], "labels": y[i]} for x, y in batches(STEPS * ACCUMULATE) for i in range(2)]
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     return trainer
@@ -287,7 +258,7 @@ def test_hf_grad_norm_is_the_trainers_pre_clip_norm(tmp_path: Path) -> None:
                              use_cpu=True, save_strategy="no", learning_rate=3e-3, disable_tqdm=True, seed=0,
                              dataloader_num_workers=0, gradient_accumulation_steps=ACCUMULATE, max_grad_norm=1e-3,
                              logging_steps=1)
-    data = [{"input_ids": x[i], "labels": y[i]} for x, y in _batches(STEPS * ACCUMULATE) for i in range(2)]
+    data = [{"input_ids": x[i], "labels": y[i]} for x, y in batches(STEPS * ACCUMULATE) for i in range(2)]
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, checker], compute_loss_func=doubled)
     trainer.train()
     steps = _steps(path)
@@ -322,14 +293,12 @@ def test_accelerate_probe_replays_the_last_forward(tmp_path: Path, harm_probe: b
     from fp8guard.agent.integrations.accelerate import attach_accelerate
 
     accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    gpt = GPT(TINY)
-    fp8 = emulate_fp8(gpt)
+    gpt, fp8 = tiny_gpt()
     model, opt = accelerator.prepare(gpt, torch.optim.AdamW(gpt.parameters(), lr=3e-3))
     path = tmp_path / "acc.jsonl"
     monitor = attach_accelerate(accelerator, model, opt, _config("acc-harm"), transport=JsonlFileTransport(path),
                                 harm_probe=harm_probe)
-    data = _batches(STEPS * ACCUMULATE)
+    data = batches(STEPS * ACCUMULATE)
     expected = {}
     for step in range(STEPS):
         for x, y in data[step * ACCUMULATE:(step + 1) * ACCUMULATE]:

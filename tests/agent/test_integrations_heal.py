@@ -21,10 +21,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fp8guard.agent import MonitorConfig, emulate_fp8  # noqa: E402
-from fp8guard.nanogpt import GPT, GPTConfig  # noqa: E402
+from fp8guard.agent import MonitorConfig  # noqa: E402
+from tests.integration_helpers import TinyGPT, batches, lightning_tiny_gpt, pl_warnings, tiny_gpt  # noqa: E402
 
-TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
 LR = 3e-3
 POISONED = range(20, 23)
 STEPS = 36
@@ -57,12 +56,8 @@ def _config(api: Any, run_id: str, tmp_path: Path) -> MonitorConfig:
 
 
 def _data(n: int = 64) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(n):
-        x = torch.randint(0, TINY.vocab_size, (2, TINY.block_size + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous(), i))
-    return out
+    """The shared batches, each with its index (the loss poisons some; the tests follow them)."""
+    return [(x, y, i) for i, (x, y) in enumerate(batches(n))]
 
 
 class Record:
@@ -135,36 +130,18 @@ def _check_healed(api: Any, run_id: str, record: Record, checkpoint_weights: Any
 
 # ---------------------------------------------------------------------------------- Lightning
 
-_PL_WARNINGS = (
-    "ignore:The 'train_dataloader' does not have many workers:UserWarning",
-    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning",
-)
-
-
-def _pl_warnings(f: Any) -> Any:
-    for w in _PL_WARNINGS:
-        f = pytest.mark.filterwarnings(w)(f)
-    return f
-
-
-@_pl_warnings
+@pl_warnings
 @pytest.mark.slow
 def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
-    from lightning.pytorch import LightningModule, Trainer
+    base = lightning_tiny_gpt()
+    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from fp8guard.agent.integrations.lightning import FP8GuardCallback
 
     record = Record(lambda: cb.monitor)
 
-    class TinyGPT(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            self.fp8 = emulate_fp8(self.gpt)
-
+    class Module(base):  # type: ignore[misc,valid-type]
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y, index = batch
             if torch.is_grad_enabled():
@@ -188,7 +165,7 @@ def test_lightning_heals_through_its_checkpoints(service: Any, tmp_path: Path) -
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=EVERY, save_top_k=-1)
     trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, ckpt])
-    trainer.fit(TinyGPT())
+    trainer.fit(Module())
 
     def weights(global_step: int) -> dict[str, torch.Tensor]:
         state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={global_step}.ckpt", weights_only=False)["state_dict"]
@@ -214,14 +191,7 @@ def test_hf_trainer_heals_through_its_checkpoint_folders(service: Any, tmp_path:
     record = Record(lambda: cb.monitor)
     at: dict[str, Any] = {}
 
-    class HFGPT(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            self.fp8 = emulate_fp8(self.gpt)
-            self.gpt.lm_head.weight.register_post_accumulate_grad_hook(lambda p: self.fp8.update())
-
+    class HFGPT(TinyGPT):
         def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> Any:
             i = int(index[0])
             if self.training and torch.is_grad_enabled():
@@ -269,9 +239,7 @@ def test_accelerate_heals_through_save_state_and_load_state(service: Any, tmp_pa
 
     record = Record(lambda: monitor, prefix="")
     accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    gpt = GPT(TINY)
-    emulate_fp8(gpt)
+    gpt, _ = tiny_gpt()
     opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
     model, opt, sched = accelerator.prepare(gpt, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     monitor = attach_accelerate(accelerator, model, opt, _config(service, "acc-heal", tmp_path),
@@ -289,9 +257,7 @@ def test_accelerate_heals_through_save_state_and_load_state(service: Any, tmp_pa
     monitor.close()
 
     def weights(global_step: int) -> dict[str, torch.Tensor]:
-        torch.manual_seed(0)
-        fresh = GPT(TINY)
-        emulate_fp8(fresh)
+        fresh, _ = tiny_gpt()
         fresh.load_state_dict(load_file(tmp_path / "ckpt" / f"step-{global_step - 1:09d}" / "model.safetensors"),
                               strict=False)
         return fresh.state_dict()

@@ -14,11 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fp8guard.agent import MonitorConfig, emulate_fp8  # noqa: E402
+from fp8guard.agent import MonitorConfig  # noqa: E402
 from fp8guard.agent.transport import JsonlFileTransport  # noqa: E402
-from fp8guard.nanogpt import GPT, GPTConfig  # noqa: E402
-
-TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
+from tests.integration_helpers import TinyGPT, batches, lightning_tiny_gpt, pl_warnings  # noqa: E402
 
 
 def _config(run_id: str) -> MonitorConfig:
@@ -32,27 +30,31 @@ def _acks(path: Path) -> dict[int, dict[str, Any]]:
             if e["kind"] == "command_acknowledged"}
 
 
-def _data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    xs = [torch.randint(0, TINY.vocab_size, (2, TINY.block_size + 1), generator=g) for _ in range(n)]
-    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in xs]
+class _HFGPT(TinyGPT):
+    """The tiny GPT in emulated FP8 as the Trainer wants it; ``on_train_forward`` runs before each
+    training forward (where a test hands the monitor its command)."""
+
+    def __init__(self, on_train_forward: Any = None) -> None:
+        super().__init__(update_after_backward=False)
+        self.on_train_forward = on_train_forward
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        if self.training and torch.is_grad_enabled() and self.on_train_forward is not None:
+            self.on_train_forward()
+        return {"loss": self.gpt(input_ids, labels)[1]}
 
 
-@pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers:UserWarning")
-@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
+@pl_warnings
 def test_lightning_refuses_weights_only_checkpoints_and_trains_on(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
-    from lightning.pytorch import LightningModule, Trainer
+    base = lightning_tiny_gpt()
+    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from fp8guard.agent.integrations.lightning import FP8GuardCallback
 
-    class TinyGPT(LightningModule):
+    class Module(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            emulate_fp8(self.gpt)
             self.steps: list[int] = []
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -65,11 +67,11 @@ def test_lightning_refuses_weights_only_checkpoints_and_trains_on(tmp_path: Path
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
         def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(_data(8), batch_size=None)
+            return torch.utils.data.DataLoader(batches(8), batch_size=None)
 
     out = tmp_path / "telemetry.jsonl"
     cb = FP8GuardCallback(_config("pl-fail"), transport=JsonlFileTransport(out), heal=True)
-    module = TinyGPT()
+    module = Module()
     Trainer(max_steps=6, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
             enable_model_summary=False, callbacks=[cb, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
                                                                        save_top_k=-1, save_weights_only=True)],
@@ -88,28 +90,19 @@ def test_hf_trainer_fails_a_rollback_whose_folder_is_gone(tmp_path: Path) -> Non
 
     steps: list[int] = []
 
-    class HFGPT(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            emulate_fp8(self.gpt)
-
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
-            if self.training and torch.is_grad_enabled():
-                step = trainer.state.global_step
-                steps.append(step)
-                if step == 3:
-                    shutil.rmtree(tmp_path / "out" / "checkpoint-2")
-                    cb.monitor.receive_commands([{"id": 1, "kind": "rollback", "checkpoint_step": 1}])
-            return {"loss": self.gpt(input_ids, labels)[1]}
+    def forward() -> None:
+        step = trainer.state.global_step
+        steps.append(step)
+        if step == 3:
+            shutil.rmtree(tmp_path / "out" / "checkpoint-2")
+            cb.monitor.receive_commands([{"id": 1, "kind": "rollback", "checkpoint_step": 1}])
 
     out = tmp_path / "telemetry.jsonl"
     cb = FP8GuardTrainerCallback(_config("hf-fail"), transport=JsonlFileTransport(out), heal=True)
-    data = [{"input_ids": x[0], "labels": y[0]} for x, y in _data(8)]
+    data = [{"input_ids": x[0], "labels": y[0]} for x, y in batches(8)]
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=1,
                              save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = Trainer(model=HFGPT(), args=args, train_dataset=data, callbacks=[cb])
+    trainer = Trainer(model=_HFGPT(forward), args=args, train_dataset=data, callbacks=[cb])
     trainer.train()
     ack = _acks(out)[1]
     assert ack["status"] == "failed" and ack["step"] == 3 and "is gone" in ack["error"]
@@ -124,43 +117,30 @@ def test_hf_heal_without_its_trainer_says_so(tmp_path: Path, monkeypatch: pytest
     from fp8guard.agent.integrations import hf
 
     monkeypatch.setattr(hf, "_calling_trainer", lambda callback: None)
-
-    class HFGPT(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gpt = GPT(TINY)
-
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
-            return {"loss": self.gpt(input_ids, labels)[1]}
-
     cb = hf.FP8GuardTrainerCallback(_config("hf-unbound"), transport=JsonlFileTransport(tmp_path / "t.jsonl"),
                                     heal=True)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=1,
                              report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
-    Trainer(model=HFGPT(), args=args, train_dataset=[{"input_ids": x[0], "labels": y[0]} for x, y in _data(2)],
+    Trainer(model=_HFGPT(), args=args, train_dataset=[{"input_ids": x[0], "labels": y[0]} for x, y in batches(2)],
             callbacks=[cb]).train()
     assert cb.healer is None and "heal=True needs the Trainer (callback.bind(trainer))" in caplog.text
 
 
-@pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers:UserWarning")
-@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
+@pl_warnings
 @pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning")  # the resumed fit saves elsewhere
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_lightning_rolls_back_to_the_checkpoint_fit_resumed_from(tmp_path: Path) -> None:
     """After ``fit(ckpt_path=...)`` the file it resumed from is a rollback target: a rollback to it
     in the resumed fit restores its weights and step (and the step counter goes back)."""
-    pytest.importorskip("lightning")
-    from lightning.pytorch import LightningModule, Trainer
+    base = lightning_tiny_gpt()
+    from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from fp8guard.agent.integrations.lightning import FP8GuardCallback
 
-    class TinyGPT(LightningModule):
+    class Module(base):  # type: ignore[misc,valid-type]
         def __init__(self, command_at: int | None = None) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            emulate_fp8(self.gpt)
             self.command_at = command_at
             self.seen: list[tuple[int, dict[str, torch.Tensor]]] = []
 
@@ -174,19 +154,19 @@ def test_lightning_rolls_back_to_the_checkpoint_fit_resumed_from(tmp_path: Path)
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
         def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(_data(16), batch_size=None)
+            return torch.utils.data.DataLoader(batches(16), batch_size=None)
 
-    def fit(module: TinyGPT, steps: int, folder: str, ckpt_path: Path | None = None) -> None:
+    def fit(module: Module, steps: int, folder: str, ckpt_path: Path | None = None) -> None:
         Trainer(max_steps=steps, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
                 enable_model_summary=False, callbacks=[callback, ModelCheckpoint(
                     dirpath=tmp_path / folder, every_n_train_steps=4, save_top_k=-1)]).fit(module, ckpt_path=ckpt_path)
 
     out = tmp_path / "telemetry.jsonl"
     callback = FP8GuardCallback(_config("pl-resume"), transport=JsonlFileTransport(out), heal=True)
-    fit(TinyGPT(), 4, "first")
+    fit(Module(), 4, "first")
     resumed = tmp_path / "first" / "epoch=0-step=4.ckpt"
     callback = FP8GuardCallback(_config("pl-resume"), transport=JsonlFileTransport(out), heal=True)
-    module = TinyGPT(command_at=5)
+    module = Module(command_at=5)
     fit(module, 8, "second", ckpt_path=resumed)
     ack = _acks(out)[7]
     assert ack["status"] == "applied" and ack["path"] == str(resumed) and ack["step"] == 5
@@ -205,26 +185,17 @@ def test_hf_trainer_rolls_back_to_the_checkpoint_train_resumed_from(tmp_path: Pa
 
     seen: list[int] = []
 
-    class HFGPT(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.gpt = GPT(TINY)
-            emulate_fp8(self.gpt)
-
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
-            if self.training and torch.is_grad_enabled():
-                seen.append(trainer.state.global_step)
-                if seen == [4, 5]:
-                    callback.monitor.receive_commands([{"id": 7, "kind": "rollback", "checkpoint_step": 3}])
-            return {"loss": self.gpt(input_ids, labels)[1]}
+    def forward() -> None:
+        seen.append(trainer.state.global_step)
+        if seen == [4, 5]:
+            callback.monitor.receive_commands([{"id": 7, "kind": "rollback", "checkpoint_step": 3}])
 
     def train(steps: int) -> Trainer:
         args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=1,
                                  save_steps=4, report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
                                  train_sampling_strategy="sequential")
-        data = [{"input_ids": x[0], "labels": y[0]} for x, y in _data(16)]
-        return Trainer(model=HFGPT(), args=args, train_dataset=data, callbacks=[callback])
+        data = [{"input_ids": x[0], "labels": y[0]} for x, y in batches(16)]
+        return Trainer(model=_HFGPT(forward), args=args, train_dataset=data, callbacks=[callback])
 
     out = tmp_path / "telemetry.jsonl"
     callback = FP8GuardTrainerCallback(_config("hf-resume"), transport=JsonlFileTransport(out), heal=True)

@@ -319,6 +319,31 @@ def test_no_stale_warning_when_te_runs_in_fp8_and_the_watch_costs_one_forward(re
     monitor.close()
 
 
+@pytest.mark.parametrize("recipe", [fake_te.Float8CurrentScaling(), fake_te.DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed_counting"])
+def test_the_fp8_watch_rides_on_the_sources_one_pre_hook_per_module(recipe: Any) -> None:
+    """Measuring (current scaling) or counting (delayed) and watching for the first FP8 forward
+    at once: every TE module carries one forward pre-hook, the source's; the watch leaves the
+    hooks that measuring or counting still needs."""
+    model = stack(2)
+    train_step(model, recipe, 0)
+    src = te.discover(model, required=True, exact_counts="hooks")
+    assert src is not None
+
+    def pre_hooks() -> list[int]:
+        return [len(m._forward_pre_hooks) for m in model.modules() if m._forward_pre_hooks]
+
+    src.arm_counts(True)
+    before = pre_hooks()
+    src.prepare_step(0, 1)  # the watch starts
+    watching = pre_hooks()
+    assert watching and set(watching) == {1}, watching
+    train_step(model, recipe, 1)  # an FP8 forward: the watch ends
+    assert pre_hooks() == before and src.stale_reason() is None
+    src.close()
+    assert pre_hooks() == []
+
+
 def test_stale_reason_is_quiet_when_every_module_fell_back_to_bf16() -> None:
     model = stack(1)
     train_step(model, fake_te.DelayedScaling(amax_history_len=4), 0)
