@@ -117,9 +117,12 @@ def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list
         if incident and any(d.kind is ActionKind.ROLLBACK for d in out):
             # The incident's fallback did not stop the loss: the replay must not re-live it.
             out += _widen(findings, rollback + numerics, view, cfg, incident, after_rollback=True)
+    # A measurement of a timeline that a rollback abandoned (its probe step lies ahead of the
+    # replayed step): the rollback followed this harm, and the replay is about to re-live it.
+    replayed = any(_attribution(findings[i]) and findings[i].onset_step > view.step for i in numerics)
     if numerics:
-        if incident and any(_attribution(findings[i]) for i in numerics):
-            out += _widen(findings, numerics, view, cfg, incident, after_rollback=False, already=out)
+        if (incident or replayed) and any(_attribution(findings[i]) for i in numerics):
+            out += _widen(findings, numerics, view, cfg, incident, after_rollback=replayed, already=out)
         else:
             out += _fallback(findings, numerics, view, cfg, already=out)
     for i, f in enumerate(findings):
@@ -187,8 +190,12 @@ def _widen(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: Guar
     if not new and not everything:
         return []
     total = max(len(view.modules), 1)
-    cause = ("the loss went wrong after the incident's fallback" if after_rollback else
-             "FP8 harm is measured again during an incident whose fallback did not close the gap")
+    if after_rollback and incident:
+        cause = "the loss went wrong after the incident's fallback, and the rollback replays the incident"
+    elif after_rollback:
+        cause = "FP8 harm measured before the rollback (on the abandoned timeline) is what the replay re-lives"
+    else:
+        cause = "FP8 harm is measured again during an incident whose fallback did not close the gap"
     idxs = tuple(i for i in idx if findings[i].rule in FP8_RULES or after_rollback)
     if everything or len(off | set(new)) / total >= cfg.widespread_fraction:
         held = len(off | set(new))
