@@ -55,6 +55,16 @@ class Scenario:
     checkpoint_every: int = 25
     harm_interval: int = 10
     """The agent's harm probe (two extra forwards) every this many steps; 0: off (numerics alone)."""
+    n_layer: int = 2
+    """Blocks of the GPT (each 4 FP8 projections; the head is the last FP8 module)."""
+    outlier: float = 1e6
+    heal_target: str = "attn_proj,mlp_proj"
+    """heal: whose input carries the lit unit (``bench/gpu_heal.py --target-linear``)."""
+    """heal: the lit unit's peak, relative to the largest magnitude of the other units."""
+    lr_burst: float = 1.0
+    """heal: the learning rate times this for ``lr_burst_steps`` steps from the onset (an
+    aggressive phase, as ``bench/gpu_heal.py --lr-burst``)."""
+    lr_burst_steps: int = 40
 
     def replace(self, **kw: Any) -> Scenario:
         return dataclasses.replace(self, **kw)
@@ -88,12 +98,13 @@ def train(sc: Scenario, *, url: str | None, run_id: str, workdir: Path, flush_st
     warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")
     torch.set_num_threads(1)  # bit-identical runs whatever else the machine is doing
     torch.manual_seed(sc.seed)
-    gcfg = GPTConfig(**_GPT)
+    gcfg = GPTConfig(**{**_GPT, "n_layer": sc.n_layer})
     model = GPT(gcfg)
     fp8 = emulate_fp8(model, EmulationConfig(amax_history_len=1024))  # TE's default history
     lr = sc.lr * (sc.lr_factor if sc.kind == "lr_blowup" else 1.0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    burst = range(sc.onset, sc.onset + sc.lr_burst_steps) if sc.kind == "heal" else range(0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sc.lr_burst if s in burst else 1.0)
     data = TextBatches(stdlib_text(2_000_000), block_size=gcfg.block_size, batch_size=8, seed=sc.seed)
     current = {"batch": -1}
     before_step, after_backward = _injection(sc, model, lambda: current["batch"])
@@ -178,7 +189,8 @@ def _injection(sc: Scenario, model: Any, batch: Callable[[], int]) -> tuple[Hook
     if sc.kind == "heal":
         from bench.gpu_heal import HealConfig, install_dormant_unit
 
-        install_dormant_unit(model, HealConfig(backend="emulation", n_layer=_GPT["n_layer"], incident=sc.onset,
+        install_dormant_unit(model, HealConfig(backend="emulation", n_layer=sc.n_layer, incident=sc.onset,
                                                incident_batches=sc.heal_batches,
-                                               ramp_batches=sc.heal_ramp_batches), batch)
+                                               ramp_batches=sc.heal_ramp_batches, outlier=sc.outlier,
+                                               target_linear=sc.heal_target), batch)
     return nothing, nothing

@@ -101,6 +101,11 @@ class GuardConfig(BaseModel):
     on measured harm or broken numerics (infinite amax, saturation beyond 16x its bound); FP8
     anomalies the probe finds harmless are alerts. On the H200 a fallback on numerics alone cost
     more than the outlier it cured (docs/gpu.md). Runs without the probe decide on numerics alone."""
+    incident_steps: int = Field(default=200, ge=1)
+    """Measured harm within this many steps of a fallback belongs to the same incident, as do the FP8
+    findings of those steps: more harm, or a rollback, escalates the fallback (every module those
+    findings implicate, then the whole model) instead of one bisection at a time. On the H200 the
+    piecemeal path (6, 5, 1 modules, then the whole model) cost a second rollback (docs/gpu.md)."""
     promote_after_steps: int = Field(default=500, ge=1)
     """Clean steps in BF16 before a fallen-back module is re-promoted (with fresh FP8 state)."""
     escalate_rollbacks: int = Field(default=3, ge=1)

@@ -21,9 +21,14 @@ follow a loss or gradient event are its after-effects, not its cause.
 Measured harm (``service/loop/harm.py``): once the run's agent probes what FP8 costs the loss,
 a fallback needs measured harm (an ``fp8_harm`` finding naming the modules) or broken numerics
 (an infinite amax, saturation beyond 16x its bound); an FP8 anomaly the probe finds harmless is
-an alert and the modules stay in FP8. Harm still measured on modules already in BF16 escalates to
-a rollback. Re-promotion then waits for a trial (the modules back in FP8 inside the probe) that
-finds no harm, and each harmful trial doubles the module's wait.
+an alert and the modules stay in FP8. While an incident is open (modules fallen back within
+``incident_steps``) the policy escalates instead of following bisection piecemeal: harm measured
+again on modules still in FP8 widens the fallback to every module the incident's FP8 findings
+implicate (the whole model once that was done), and a rollback after the incident's fallback
+carries that widening, so the replay does not re-live the incident and one rollback suffices
+(on the H200 the piecemeal path took two). Re-promotion then waits for a trial (the modules
+back in FP8 inside the probe) that finds no harm, and each harmful trial doubles the module's
+wait.
 - Underflow growth, one-step saturation spikes, amax ramps, warnings without modules: alerts.
 """
 
@@ -102,16 +107,30 @@ def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list
     if view.harm_probed and cfg.require_measured_harm:
         harmless = [i for i in numerics if findings[i].rule is not Rule.FP8_HARM and not _broken(findings[i])]
         numerics = [i for i in numerics if i not in harmless]
-    stubborn = [i for i in numerics if findings[i].rule is Rule.FP8_HARM and findings[i].severity is Severity.CRITICAL
-                and all(view.off_fp8(m) for m in findings[i].modules)]
+    # Bisection only ever names modules training runs in FP8: a measurement naming modules that
+    # are all off FP8 already was taken before their fallback applied, and says nothing new.
+    known = [i for i in numerics if _attribution(findings[i]) and all(view.off_fp8(m) for m in findings[i].modules)]
+    numerics = [i for i in numerics if i not in known]
+    incident = _incident(view, cfg)
     if rollback and not view.rollback_pending:
-        out += _rollback(findings, rollback, view, cfg, fp8_evidence=evidence)
-    elif stubborn and not view.rollback_pending:
-        out += _rollback(findings, stubborn, view, cfg, fp8_evidence=True)
+        out += _rollback(findings, rollback, view, cfg, fp8_evidence=evidence or bool(incident))
+        if incident and any(d.kind is ActionKind.ROLLBACK for d in out):
+            # The incident's fallback did not stop the loss: the replay must not re-live it.
+            out += _widen(findings, rollback + numerics, view, cfg, incident, after_rollback=True)
+    # A measurement of a timeline that a rollback abandoned (its probe step lies ahead of the
+    # replayed step): the rollback followed this harm, and the replay is about to re-live it.
+    replayed = any(_attribution(findings[i]) and findings[i].onset_step > view.step for i in numerics)
     if numerics:
-        out += _fallback(findings, numerics, view, cfg, already=out)
+        if (incident or replayed) and any(_attribution(findings[i]) for i in numerics):
+            out += _widen(findings, numerics, view, cfg, incident, after_rollback=replayed, already=out)
+        else:
+            out += _fallback(findings, numerics, view, cfg, already=out)
     for i, f in enumerate(findings):
-        if i in harmless:
+        if i in known:
+            out.append(Decision(kind=ActionKind.ALERT, rule=f.rule, findings=(i,), severity=f.severity, reason=(
+                f"{f.explanation} Those modules are in BF16 or on their way (the probe ran before their fallback "
+                "applied): the next probe tells whether that closed the gap.")))
+        elif i in harmless:
             out.append(Decision(kind=ActionKind.ALERT, rule=f.rule, findings=(i,), severity=f.severity, reason=(
                 f"{f.explanation} The run measures what FP8 costs its loss and has measured no harm from this: FP8 "
                 "stays on (a fallback needs measured harm or broken numerics).")))
@@ -124,6 +143,71 @@ def decide(findings: Sequence[Finding], view: RunView, cfg: GuardConfig) -> list
             out.append(Decision(kind=ActionKind.ALERT, reason=f.explanation, rule=f.rule, findings=(i,),
                                 severity=f.severity))
     return out
+
+
+def _attribution(f: Finding) -> bool:
+    """The harm probe's bisection: FP8 costs the loss now, on the modules it names."""
+    return f.rule is Rule.FP8_HARM and f.severity is Severity.CRITICAL
+
+
+def _recent(step: int, at: int, cfg: GuardConfig) -> bool:
+    """``at`` belongs to the incident open at ``step``: within ``incident_steps`` before it, or
+    later (a timeline that a rollback abandoned: its steps are replayed)."""
+    return at > step or step - at <= cfg.incident_steps
+
+
+def _incident(view: RunView, cfg: GuardConfig) -> set[str]:
+    """The modules an open FP8 incident holds in BF16: fallen back (or on their way) within the
+    last ``incident_steps`` steps of a run that probes FP8 harm. Empty: no incident open."""
+    if not (view.harm_probed and cfg.require_measured_harm):
+        return set()
+    if view.whole_model_pending:
+        return set(view.modules)
+    held = {m for m, since in view.bf16.items()
+            if view.pending.get(m) is not ActionKind.PROMOTE and _recent(view.step, since, cfg)}
+    return held | {m for m, kind in view.pending.items() if kind is ActionKind.FALLBACK}
+
+
+def _widen(findings: Sequence[Finding], idx: list[int], view: RunView, cfg: GuardConfig, incident: set[str], *,
+           after_rollback: bool, already: Sequence[Decision] = ()) -> list[Decision]:
+    """Escalation within an open incident, instead of one bisection's worth of modules at a time:
+    the modules measured harm names, plus every module the incident's FP8 numerics findings
+    implicate (harmless alone, but the harm spreads over them: bisection names the half that closes
+    most of the gap, not every carrier). A rollback that follows the incident's fallback carries
+    this fallback, so the replay does not re-live the incident. Harm measured again on modules the
+    widening left in FP8 takes the whole model at once."""
+    if any(d.kind is ActionKind.FALLBACK and d.modules is None for d in already):
+        return []
+    known = set(view.modules)
+    named = {m for i in idx for m in findings[i].modules} & known
+    implicated = named | ({m for m, at in view.last_finding_step.items() if _recent(view.step, at, cfg)} & known)
+    implicated |= {m for i in idx if findings[i].rule in FP8_RULES for m in findings[i].modules} & known
+    off = {m for m in view.modules if view.off_fp8(m)}
+    new = sorted(implicated - off)
+    # Numerics add nothing beyond what the probe named: the incident was widened already (or has
+    # no numerics to widen by), and harm is measured again on modules it left in FP8.
+    everything = not after_rollback and not (implicated - named - off)
+    if not new and not everything:
+        return []
+    total = max(len(view.modules), 1)
+    if after_rollback and incident:
+        cause = "the loss went wrong after the incident's fallback, and the rollback replays the incident"
+    elif after_rollback:
+        cause = "FP8 harm measured before the rollback (on the abandoned timeline) is what the replay re-lives"
+    else:
+        cause = "FP8 harm is measured again during an incident whose fallback did not close the gap"
+    idxs = tuple(i for i in idx if findings[i].rule in FP8_RULES or after_rollback)
+    if everything or len(off | set(new)) / total >= cfg.widespread_fraction:
+        held = len(off | set(new))
+        reason = (f"{cause.capitalize()}: {len(incident)} module(s) held in BF16, harm or FP8 findings on {held} of "
+                  f"{total}, so the whole model falls back to BF16 (re-promoted module by module after harmless "
+                  "trials).")
+        return [Decision(kind=ActionKind.FALLBACK, reason=reason, modules=None, findings=idxs,
+                         severity=Severity.CRITICAL)]
+    reason = (f"{cause.capitalize()}: widening the fallback to every module the incident's FP8 findings implicate, "
+              f"{len(new)} more: {', '.join(new[:5])}{'...' if len(new) > 5 else ''}.")
+    return [Decision(kind=ActionKind.FALLBACK, reason=reason, modules=tuple(new), findings=idxs,
+                     severity=Severity.CRITICAL)]
 
 
 def _broken(f: Finding) -> bool:

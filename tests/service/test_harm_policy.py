@@ -61,11 +61,66 @@ def test_measured_harm_after_a_gradient_event_is_no_after_effect() -> None:
     assert pending.kind is ActionKind.ALERT
 
 
-def test_harm_that_persists_in_bf16_escalates_to_a_rollback() -> None:
+def test_harm_named_on_modules_already_falling_back_is_no_new_news() -> None:
+    """Bisection only names modules training runs in FP8: naming modules already off FP8 means the
+    probe ran before their fallback applied. An alert, not a rollback (it used to be one, and on the
+    CPU heal story that was a second rollback the incident did not need)."""
     harm = _finding(Rule.FP8_HARM, Severity.CRITICAL, ("l3",), step=300)
-    (d,) = decide([harm], _view(300, harm_probed=True, bf16={"l3": 200}, known_good=[250], checkpoints=[250]),
-                  GuardConfig())
-    assert d.kind is ActionKind.ROLLBACK and d.checkpoint_step == 250
+    for view in (_view(300, harm_probed=True, bf16={"l3": 290}, known_good=[250], checkpoints=[250]),
+                 _view(300, harm_probed=True, pending={"l3": ActionKind.FALLBACK}, known_good=[250],
+                       checkpoints=[250])):
+        (d,) = decide([harm], view, GuardConfig())
+        assert d.kind is ActionKind.ALERT and "next probe" in d.reason
+
+
+_EIGHT = [f"b{k}.{n}" for k in range(2) for n in ("qkv", "proj", "fc", "out")]
+
+
+def test_a_rollback_after_the_incidents_fallback_carries_a_wider_fallback() -> None:
+    """The H200 1e6 heal: bisection named a subset, the fallback applied, the loss spiked anyway.
+    The rollback carries a fallback of every module the incident's FP8 findings implicate, so
+    the replay does not re-live the incident (the old path needed a second rollback)."""
+    spike = Finding(rule=Rule.LOSS_SPIKE, severity=Severity.CRITICAL, step=120, onset_step=120,
+                    explanation="The loss jumped.")
+    view = _view(120, modules=_EIGHT, harm_probed=True, bf16={"b0.qkv": 119, "b0.proj": 119},
+                 last_finding_step={"b0.proj": 119, "b0.out": 112, "b1.proj": 111, "b1.out": 113, "b0.qkv": 119})
+    rollback, widen = decide([spike], view, GuardConfig(widespread_fraction=0.9))
+    assert rollback.kind is ActionKind.ROLLBACK and rollback.checkpoint_step == 90
+    assert "No FP8 anomaly" not in rollback.reason  # the incident's fallback is FP8 evidence
+    assert widen.kind is ActionKind.FALLBACK and widen.modules == ("b0.out", "b1.out", "b1.proj")
+    assert not widen.escalation  # trials re-promote them, as any fallback
+    # 5 of 8 reach the default widespread_fraction (0.5): the whole model
+    (_, whole) = decide([spike], view, GuardConfig())
+    assert whole.kind is ActionKind.FALLBACK and whole.modules is None
+    # no incident open (nothing held, or held long ago, or no probe): the rollback alone
+    for quiet in (_view(120, modules=_EIGHT, harm_probed=True, last_finding_step=view.last_finding_step),
+                  _view(520, modules=_EIGHT, harm_probed=True, bf16={"b0.qkv": 119}, known_good=[490],
+                        checkpoints=[490], last_finding_step={"b1.out": 500}),
+                  _view(120, modules=_EIGHT, bf16={"b0.qkv": 119}, last_finding_step={"b1.out": 113})):
+        late = Finding(rule=Rule.LOSS_SPIKE, severity=Severity.CRITICAL, step=quiet.step, onset_step=quiet.step,
+                       explanation="The loss jumped.")
+        assert [d.kind for d in decide([late], quiet, GuardConfig())] == [ActionKind.ROLLBACK]
+
+
+def test_harm_measured_again_in_an_open_incident_widens_at_once_then_takes_the_whole_model() -> None:
+    """In the replay after a rollback (the held modules' fallback step lies ahead of the replayed
+    step) the probe names more modules: the fallback widens to every implicated module, not one
+    bisection at a time; once the widening is done, harm on modules it left out takes the whole
+    model."""
+    findings = {"b0.out": 276, "b1.out": 276, "b1.proj": 260}
+    harm = _finding(Rule.FP8_HARM, Severity.CRITICAL, ("b0.fc",), step=251)
+    view = _view(251, modules=_EIGHT, harm_probed=True, bf16={"b0.qkv": 277, "b0.proj": 277},
+                 last_finding_step=findings)
+    (d,) = decide([harm], view, GuardConfig(widespread_fraction=0.9))
+    assert d.kind is ActionKind.FALLBACK and d.modules == ("b0.fc", "b0.out", "b1.out", "b1.proj")
+    widened = _view(260, modules=_EIGHT, harm_probed=True, last_finding_step=findings,
+                    bf16={m: 277 for m in ("b0.qkv", "b0.proj", "b0.fc", "b0.out", "b1.out", "b1.proj")})
+    (whole,) = decide([_finding(Rule.FP8_HARM, Severity.CRITICAL, ("b1.qkv",), step=260)], widened,
+                      GuardConfig(widespread_fraction=0.9))
+    assert whole.kind is ActionKind.FALLBACK and whole.modules is None and not whole.escalation
+    # the first measurement of an incident falls back what it names, as before
+    (first,) = decide([harm], _view(251, modules=_EIGHT, harm_probed=True, last_finding_step=findings), GuardConfig())
+    assert first.modules == ("b0.fc",)
 
 
 def test_promotion_waits_for_a_harmless_trial_and_backs_off_after_a_harmful_one() -> None:
