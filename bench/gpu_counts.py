@@ -156,7 +156,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
             over = compute_fp8_delayed_scaling_overflows_num(tensor, q)
             under = tensor.count_nonzero() - count_nonzero_fp8(data)
             pairs = {"te_functions": torch.stack((over.to(torch.int64), under.to(torch.int64)))}
-            fmt = te_inspect._format_of(q, Fp8Format.E4M3)
+            fmt = te_inspect._format_of(q, Fp8Format.E4M3, quantizer)
             scale = getattr(quantizer, "scale", None)
             for variant, fp8_bytes, s in (("hp", None, scale), ("bytes", data, q._scale_inv)):
                 if variant == "hp" and not isinstance(scale, torch.Tensor):
@@ -380,7 +380,7 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
                            data.view(torch.uint8).clone() if isinstance(data, torch.Tensor)
                            and data.numel() == tensor.numel() else None,
                            scale.clone() if isinstance(scale, torch.Tensor) else None, scale_inv.clone(),
-                           te_inspect._format_of(quantized, counter.targets[(layer_name, tensor_name)].fmt)))
+                           te_inspect._format_of(quantized, counter.targets[(layer_name, tensor_name)].fmt, quantizer)))
 
     counter.inspect = copying  # type: ignore[method-assign]
     try:

@@ -130,19 +130,23 @@ class InspectCounts:
             # rounding each way), so a count from it would not be exact. Not counted.
             return
         use_bytes = data is not None and (scale is None or self.variant == "bytes")
-        fmt = _format_of(quantized, target.fmt)
+        fmt = _format_of(quantized, target.fmt, quantizer)
         count_cast_into(self.counts[target.index], tensor.detach(),
                         scale=scale if scale is not None else scale_inv, scale_inv=scale_inv, fmt=fmt,
                         fp8_bytes=data if use_bytes else None)
         self.calls += 1
 
 
-def _format_of(quantized: Any, default: Fp8Format) -> Fp8Format:
-    name = str(getattr(quantized, "_fp8_dtype", ""))
-    if "E4M3" in name:
-        return Fp8Format.E4M3
-    if "E5M2" in name:
-        return Fp8Format.E5M2
+def _format_of(quantized: Any, default: Fp8Format, quantizer: Any = None) -> Fp8Format:
+    """The format the cast used: the quantizer's ``dtype`` (TE's ``tex.DType``), else the cast
+    tensor's ``_fp8_dtype``, else ``default`` (the layout's guess: E5M2 for gradients under HYBRID).
+    On the H200 (2026-12-02) ``bench/gpu_counts.py verify``, reading the cast tensor alone with an
+    E4M3 default, counted HYBRID's E5M2 gradients against E4M3's range: the quantizer says it."""
+    for name in (str(getattr(quantizer, "dtype", "")), str(getattr(quantized, "_fp8_dtype", ""))):
+        if "E4M3" in name:
+            return Fp8Format.E4M3
+        if "E5M2" in name:
+            return Fp8Format.E5M2
     return default
 
 

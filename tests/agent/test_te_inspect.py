@@ -140,3 +140,14 @@ def test_variant_choice_high_precision_by_default_bytes_without_a_scale() -> Non
     c.armed = True
     c.inspect("layer0.qkv", "activation", x, SimpleNamespace(_scale_inv=torch.ones(1)), SimpleNamespace())
     assert c.calls == 0 and c.counts.sum() == 0
+
+
+def test_format_from_the_quantizer_before_the_cast_tensor_and_the_default() -> None:
+    """HYBRID casts gradients to E5M2: the quantizer's dtype decides, whatever the default says."""
+    e5m2, e4m3 = SimpleNamespace(dtype="DType.kFloat8E5M2"), SimpleNamespace(dtype="DType.kFloat8E4M3")
+    bare = SimpleNamespace()
+    assert te_inspect._format_of(bare, Fp8Format.E4M3, e5m2) is Fp8Format.E5M2
+    assert te_inspect._format_of(SimpleNamespace(_fp8_dtype="DType.kFloat8E5M2"), Fp8Format.E4M3, e4m3) \
+        is Fp8Format.E4M3
+    assert te_inspect._format_of(SimpleNamespace(_fp8_dtype="DType.kFloat8E5M2"), Fp8Format.E4M3) is Fp8Format.E5M2
+    assert te_inspect._format_of(bare, Fp8Format.E5M2, None) is Fp8Format.E5M2
