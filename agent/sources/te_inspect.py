@@ -13,14 +13,16 @@ fp8guard's feature, ``Fp8GuardCounts``, then launches one fused counting kernel
 (TE's ``LogFp8TensorStats`` definitions) into the source's device buffer. No host sync, none of
 TE's stats buffers (which sync on every feed).
 
-Which kernel variant (:attr:`InspectCounts.variant`): the high-precision one by default. It
-reads the operand once and decides each element from ``x * quantizer.scale``, the float32
-product TE's cast rounds; it is exact because the kernel is enqueued on the stream right after
-the cast, before TE updates the scale in place (delayed scaling updates after the pass, current
-scaling recomputes it at the quantizer's next cast), so it reads the value the cast read. It
-streamed at 2.6 TB/s on the H200 against 0.77 TB/s for the FP8-bytes variant (docs/gpu.md),
-whose byte test and dependent, predicated fetches are latency-bound. The bytes variant (the
-cast's own bytes, no scale needed) is used where the quantizer exposes no scale tensor.
+Which kernel variant (:attr:`InspectCounts.variant`): the FP8-bytes one by default, the
+fastest exact one measured. It reads the cast's own bytes (1 byte per element) and fetches the
+high-precision value only for rows holding a 0 or maximum byte, so it needs no scale and cannot
+read a stale one. On the H200 (2026-12-02, ``bench/gpu_counts.py kernels``/``time``,
+docs/gpu.md) it counted the 604M model's 144 operands in 9.7 ms of GPU time against 13.4 ms for
+the high-precision variant, whose float32 values and TE threshold are now formed from bits (so no
+flush-to-zero path decides a subnormal: exact, but compute-heavier than its earlier 5.4 ms form).
+Both agreed with TE on every operand. The high-precision variant (``x * quantizer.scale``, exact
+because it is enqueued right after the cast, before TE updates the scale in place) is used where
+the cast exposes no element-for-element bytes.
 
 Cost model: on the iterations it counts, TE runs its debug path for the layer (unfused
 LayerNorm+cast and activation+cast, as for any inspection feature); on the others
@@ -93,8 +95,8 @@ class InspectCounts:
         self.calls = 0
         """inspect_tensor calls that counted something (a host-side tally, for tests and benches)."""
         self.variant = "auto"
-        """``auto``: the high-precision kernel where the quantizer exposes its scale tensor, else the
-        FP8-bytes kernel; ``hp`` or ``bytes`` force one (a forced variant that lacks its input
+        """``auto``: the FP8-bytes kernel where the cast has element-for-element bytes, else the
+        high-precision kernel; ``hp`` or ``bytes`` force one (a forced variant that lacks its input
         falls back to the other)."""
 
     def enabled(self, iteration: int, layer_name: str, tensor_name: str) -> tuple[bool, int | None]:
@@ -129,7 +131,7 @@ class InspectCounts:
             # Neither the cast's bytes nor its scale: 1/scale_inv is not always the scale (one
             # rounding each way), so a count from it would not be exact. Not counted.
             return
-        use_bytes = data is not None and (scale is None or self.variant == "bytes")
+        use_bytes = data is not None and (scale is None or self.variant != "hp")
         fmt = _format_of(quantized, target.fmt, quantizer)
         count_cast_into(self.counts[target.index], tensor.detach(),
                         scale=scale if scale is not None else scale_inv, scale_inv=scale_inv, fmt=fmt,

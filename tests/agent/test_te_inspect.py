@@ -116,8 +116,8 @@ def test_registered_feature_routes_and_never_raises_into_training() -> None:
         Registry.data.pop("transformer_engine")
 
 
-def test_variant_choice_high_precision_by_default_bytes_without_a_scale() -> None:
-    """The default reads ``x`` with the quantizer's scale; the bytes variant reads the cast's bytes.
+def test_variant_choice_bytes_by_default_high_precision_on_request() -> None:
+    """The default reads the cast's bytes; the high-precision variant reads ``x`` with the scale.
     Bytes that disagree with the values (here: all zero) tell which one ran."""
     x = torch.tensor([1e-6, 3.0, 5e-7, -2.0, 0.0]).bfloat16()
     scale = torch.tensor([1.0])
@@ -126,7 +126,8 @@ def test_variant_choice_high_precision_by_default_bytes_without_a_scale() -> Non
     hp = count_overflow_underflow(x, 1.0, Fp8Format.E4M3).tolist()  # the two tiny values underflow
     from_bytes = [0, 4]  # four nonzero values on zero bytes
     assert hp == [0, 2]
-    for variant, quantizer, expected in (("auto", SimpleNamespace(scale=scale), hp),
+    for variant, quantizer, expected in (("auto", SimpleNamespace(scale=scale), from_bytes),
+                                         ("hp", SimpleNamespace(scale=scale), hp),
                                          ("bytes", SimpleNamespace(scale=scale), from_bytes),
                                          ("hp", SimpleNamespace(), from_bytes),  # no scale: bytes anyway
                                          ("auto", SimpleNamespace(scale=torch.ones(3)), from_bytes),  # not a scale
