@@ -38,7 +38,6 @@ from fp8guard.service.store.models import (
     SqlEvent,
     SqlLayerPrecision,
     SqlRun,
-    SqlTensor,
 )
 from fp8guard.service.store.rollup_writer import SERIES_COLUMNS, RollupTail, merge_rollups, recompute_rollups
 from fp8guard.wire import STEP_FIELDS
@@ -115,11 +114,15 @@ def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
 
-def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheTxn) -> tuple[IngestResult, int]:
-    """Store the batch in the caller's transaction; returns (result, run primary key)."""
+def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime,
+                 cache: CacheTxn) -> tuple[IngestResult, int, sql.Later | None]:
+    """Store the batch in the caller's transaction; returns (result, run primary key, the row
+    holding its ``loop_queue`` id: read it once the statement was answered, None for a batch
+    with no steps or a duplicate)."""
     run_pk = cache.run_pks.get(batch.run_id)
     if run_pk is None:
-        run_pk = conn.scalar(sa.select(SqlRun.id).where(SqlRun.run_id == batch.run_id))
+        row = sql.fetch_one(conn, "SELECT id FROM runs WHERE run_id = ?", (batch.run_id,))
+        run_pk = None if row is None else int(row[0])
         if run_pk is not None:
             cache.pending.append(("run_pks", batch.run_id, run_pk))
     if run_pk is None:
@@ -128,14 +131,10 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
             loc=("body", "run_id"),
         )
     samples = batch.num_samples
-    accepted = sql.fetch_one(  # RETURNING: rowcount is not portable for INSERT .. ON CONFLICT
-        conn, "INSERT INTO ingest_batches (run_pk, batch_id, rank, received_at, steps, samples) "
-              "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING rank",
-        (run_pk, batch.batch_id, batch.rank, sql.timestamp(conn, now), len(batch.steps), samples)) is not None
-    if not accepted:
-        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0, run_pk=run_pk), run_pk
+    progress = _accept(conn, run_pk, batch, now, samples)
+    if progress is None:
+        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0, run_pk=run_pk), run_pk, None
 
-    progress = _lock_rank(conn, run_pk, batch.rank, now)
     first_step, last_step = _step_range(batch)
     overlap, extends, fresh = _touch_segment(conn, run_pk, batch, first_step, last_step, progress)
     _define_tensors(conn, run_pk, batch.tensors, first_step if first_step is not None else 0)
@@ -158,15 +157,13 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
     _write_events(conn, run_pk, batch)
     _update_progress(conn, run_pk, batch, progress, last_step, samples)
     _record_agent_facts(conn, run_pk, batch, now)
-    queue_id = None
+    queue_row = None
     if first_step is not None and last_step is not None:
-        row = sql.fetch_one(conn, "INSERT INTO loop_queue (run_pk, rank, segment, first_step, last_step) "
-                                  "VALUES (?, ?, ?, ?, ?) RETURNING id",
-                            (run_pk, batch.rank, batch.segment, first_step, last_step))
-        assert row is not None
-        queue_id = int(row[0])
+        queue_row = sql.fetch_later(conn, "INSERT INTO loop_queue (run_pk, rank, segment, first_step, last_step) "
+                                          "VALUES (?, ?, ?, ?, ?) RETURNING id",
+                                    (run_pk, batch.rank, batch.segment, first_step, last_step))
     return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples,
-                        queue_id=queue_id, run_pk=run_pk), run_pk
+                        run_pk=run_pk), run_pk, queue_row
 
 
 class Progress(NamedTuple):
@@ -177,21 +174,43 @@ class Progress(NamedTuple):
     batches: int
 
 
-def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Progress:
-    """Bump the rank's batch counter (taking its row lock until commit) and return its progress."""
-    bump = ("UPDATE run_ranks SET batches = batches + 1, updated_at = ? WHERE run_pk = ? AND rank = ? "
-            "RETURNING last_step, last_segment, batches")
-    args = (sql.timestamp(conn, now), run_pk, rank)
-    row = sql.fetch_one(conn, bump, args)
-    if row is not None:
-        return Progress(*row)
-    if row is None:
-        sql.run(conn, "INSERT INTO run_ranks (run_pk, rank, last_segment, batches, samples, updated_at, last_loss_nan) "
-                      "VALUES (?, ?, 0, 0, 0, ?, ?) ON CONFLICT DO NOTHING",
-                (run_pk, rank, sql.timestamp(conn, now), False))
-        row = sql.fetch_one(conn, bump, args)
+_INSERT_BATCH = ("INSERT INTO ingest_batches (run_pk, batch_id, rank, received_at, steps, samples) "
+                 "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING")
+_BUMP_RANK = "UPDATE run_ranks SET batches = batches + 1, updated_at = ? WHERE run_pk = ? AND rank = ?"
+_PROGRESS = "RETURNING last_step, last_segment, batches"
+_ACCEPT_PG = (f"WITH accepted AS ({_INSERT_BATCH} RETURNING rank), "
+              f"bumped AS ({_BUMP_RANK} AND EXISTS (SELECT 1 FROM accepted) {_PROGRESS}) "
+              "SELECT (SELECT count(*) FROM accepted), b.last_step, b.last_segment, b.batches "
+              "FROM (SELECT 1) AS one LEFT JOIN bumped AS b ON true")
+"""Both first steps in one statement (one round trip): the batch id goes in unless it is stored
+already, and only then is the rank's counter bumped, which takes its row lock until commit."""
+
+
+def _accept(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime, samples: int) -> Progress | None:
+    """Record the batch id and lock the rank; the rank's progress, or None for a duplicate."""
+    when = sql.timestamp(conn, now)
+    inserted = (run_pk, batch.batch_id, batch.rank, when, len(batch.steps), samples)
+    bump = (when, run_pk, batch.rank)
+    if conn.dialect.name == "postgresql":
+        row = sql.fetch_one(conn, _ACCEPT_PG, (*inserted, *bump))
+        assert row is not None
+        if not row[0]:
+            return None
+        if row[3] is not None:
+            return Progress(row[1], int(row[2]), int(row[3]))
+    # RETURNING: rowcount is not portable for INSERT .. ON CONFLICT
+    elif sql.fetch_one(conn, f"{_INSERT_BATCH} RETURNING rank", inserted) is None:
+        return None
+    else:
+        row = sql.fetch_one(conn, f"{_BUMP_RANK} {_PROGRESS}", bump)
+        if row is not None:
+            return Progress(row[0], int(row[1]), int(row[2]))
+    # The rank's first batch: its progress row does not exist yet.
+    sql.run(conn, "INSERT INTO run_ranks (run_pk, rank, last_segment, batches, samples, updated_at, last_loss_nan) "
+                  "VALUES (?, ?, 0, 0, 0, ?, ?) ON CONFLICT DO NOTHING", (run_pk, batch.rank, when, False))
+    row = sql.fetch_one(conn, f"{_BUMP_RANK} {_PROGRESS}", bump)
     assert row is not None
-    return Progress(*row)
+    return Progress(row[0], int(row[1]), int(row[2]))
 
 
 def _step_range(batch: Batch) -> tuple[int | None, int | None]:
@@ -261,9 +280,8 @@ def _check_tensor_coverage(conn: sa.Connection, run_pk: int, blocks: Sequence[St
     needed = max(int(b.values.shape[2]) for b in blocks)
     if cache.tensors_defined.get(run_pk, 0) >= needed:
         return
-    defined = conn.scalar(
-        sa.select(sa.func.count()).select_from(SqlTensor).where(SqlTensor.run_pk == run_pk, SqlTensor.idx < needed)
-    )
+    row = sql.fetch_one(conn, "SELECT count(*) FROM tensors WHERE run_pk = ? AND idx < ?", (run_pk, needed))
+    defined = 0 if row is None else int(row[0])
     if defined != needed:
         pos = next(i for i, b in enumerate(blocks) if b.values.shape[2] == needed)
         raise InvalidPayload(
@@ -306,17 +324,19 @@ def _step_row(run_pk: int, batch: Batch, rec: StepRow) -> tuple[Any, ...]:
 def _write_steps(conn: sa.Connection, run_pk: int, batch: Batch, *, overlap: bool) -> None:
     if not batch.steps:
         return
+    rows = [_step_row(run_pk, batch, rec) for rec in batch.steps]
     if conn.dialect.name == "postgresql" and not overlap:
-        raw = conn.connection.driver_connection
-        assert raw is not None
-        with raw.cursor() as cur, cur.copy(f"COPY steps ({', '.join(_STEP_COLUMNS)}) FROM STDIN (FORMAT BINARY)") as cp:
-            cp.set_types(["int4", "int4", "int4", "int8", "float8", *["float8"] * len(STEP_FIELDS), "int8", "int2"])
-            for rec in batch.steps:
-                cp.write_row(_step_row(run_pk, batch, rec))
+        # One statement of fixed text, the columns as arrays: it rides in the ingest pipeline
+        # (COPY cannot), and costs no more Python than COPY's rows did.
+        sql.run(conn, _INSERT_STEPS_PG, (run_pk, batch.rank, batch.segment,
+                                         *(list(col) for col in list(zip(*rows, strict=True))[3:])))
         return
-    sql.run_many(conn, _UPSERT_STEPS, [_step_row(run_pk, batch, rec) for rec in batch.steps])
+    sql.run_many(conn, _UPSERT_STEPS, rows)
 
 
+_STEP_TYPES = ("bigint", "float8", *["float8"] * len(STEP_FIELDS), "bigint", "int2")
+_INSERT_STEPS_PG = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) SELECT ?, ?, ?, * FROM unnest("
+                    f"{', '.join(f'?::{t}[]' for t in _STEP_TYPES)})")
 _UPSERT_STEPS = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) VALUES ({', '.join(['?'] * len(_STEP_COLUMNS))}) "
                  f"ON CONFLICT (run_pk, rank, segment, step) DO UPDATE SET "
                  f"{', '.join(f'{c} = excluded.{c}' for c in _STEP_COLUMNS[4:])}")
@@ -349,19 +369,14 @@ def _write_raw(
     if conn.dialect.name != "postgresql":
         sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
         return
-    raw = conn.connection.driver_connection
-    assert raw is not None
-    with raw.cursor() as cur:
-        if overlap:  # COPY cannot upsert: clear re-sent steps first (we hold the rank lock)
-            cur.execute(
-                "DELETE FROM tensor_series WHERE run_pk=%s AND rank=%s AND segment=%s AND level=1 "
-                "AND stat_id = ANY(%s) AND block = ANY(%s)",
-                (*key, stat_ids, [int(s) for s in steps]),
-            )
-        with cur.copy(f"COPY tensor_series ({SERIES_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy:
-            copy.set_types(["int4", "int4", "int4", "int4", "int2", "int8", "bytea"])
-            for row in rows:
-                copy.write_row(row)
+    if overlap:  # an insert cannot replace: clear re-sent steps first (we hold the rank lock)
+        sql.run(conn, "DELETE FROM tensor_series WHERE run_pk = ? AND rank = ? AND segment = ? AND level = 1 "
+                      "AND stat_id = ANY(?) AND block = ANY(?)", (*key, stat_ids, [int(s) for s in steps]))
+    # Arrays in one statement of fixed text (bytea in binary): it rides in the ingest pipeline,
+    # which COPY cannot.
+    sql.run(conn, "INSERT INTO tensor_series (run_pk, rank, segment, stat_id, level, block, data) "
+                  "SELECT ?, ?, ?, s, 1, b, d FROM unnest(?::int4[], ?::int8[], ?::bytea[]) AS r(s, b, d)",
+            (*key, [r[3] for r in rows], [r[5] for r in rows], [r[6] for r in rows]))
 
 
 def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
@@ -421,13 +436,14 @@ def _record_agent_facts(conn: sa.Connection, run_pk: int, batch: Batch, now: dat
         elif e.kind in (wire.EventKind.FALLBACK_APPLIED, wire.EventKind.PROMOTION_APPLIED) and e.step is not None:
             modules = data.get("modules")
             if not modules:
-                modules = sorted({r.module or r.name.split(":")[0] for r in conn.execute(
-                    sa.select(SqlTensor.name, SqlTensor.module).where(SqlTensor.run_pk == run_pk))})
+                modules = sorted({module or name.split(":")[0] for name, module in sql.fetch_all(
+                    conn, "SELECT name, module FROM tensors WHERE run_pk = ?", (run_pk,))})
             command_id = data.get("command_id") if isinstance(data.get("command_id"), int) else None
             precision = Precision.FP8
             if e.kind == wire.EventKind.FALLBACK_APPLIED:
-                details = conn.scalar(sa.select(SqlAction.payload).where(
-                    SqlAction.run_pk == run_pk, SqlAction.id == command_id)) if command_id is not None else None
+                row = sql.fetch_one(conn, "SELECT payload FROM actions WHERE run_pk = ? AND id = ?",
+                                    (run_pk, command_id)) if command_id is not None else None
+                details = sql.json_value(conn, row[0]) if row is not None else None
                 precision = Precision.PINNED if (details or {}).get("escalation") else Precision.BF16
             _set_precision(conn, run_pk, [str(m) for m in modules], precision, e.step, command_id)
 
