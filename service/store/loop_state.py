@@ -34,7 +34,7 @@ from fp8guard.service.store.models import (
 from fp8guard.service.store.outbox import OutboxRow, insert_rows
 from fp8guard.wire import STEP_FIELDS, EventKind
 
-__all__ = ["LOOP_LOCK_CLASS", "LoopTxn", "TensorRow", "ViewInputs"]
+__all__ = ["LOOP_LOCK_CLASS", "LoopTxn", "PassInputs", "TensorRow", "ViewInputs"]
 
 LOOP_LOCK_CLASS = 0x6C6F6F70
 """First key of the PostgreSQL advisory lock that serialises the loop of one run ('loop')."""
@@ -86,36 +86,102 @@ class ViewInputs:
         self.last_page: int | None = None
 
 
+class PassInputs:
+    """What every pass reads first, in one round trip (``LoopTxn.open``)."""
+
+    __slots__ = ("guard", "n_tensors", "queued", "remediating", "run_id", "states", "unconfirmed")
+
+    def __init__(self, queued: list[QueuedBatch], run_id: str, guard: dict[str, Any], n_tensors: int,
+                 states: dict[int, str], unconfirmed: list[tuple[int, int, int]], remediating: bool) -> None:
+        self.queued = queued
+        """The run's queued batches, oldest first (at most the pass's limit)."""
+        self.run_id, self.guard, self.n_tensors = run_id, guard, n_tensors
+        self.states = states
+        """Each rank's stored detector state (JSON text), for the ranks of ``queued``."""
+        self.unconfirmed = unconfirmed
+        """(rank, segment, step) of checkpoints not yet known-good, at or before the newest queued step."""
+        self.remediating = remediating
+        """Whether any module is (or is being switched) off FP8."""
+
+
 class LoopTxn:
-    """The loop's reads and writes for one run, inside one transaction (made by ``Store.loop_pass``)."""
+    """The loop's reads and writes for one run, inside one transaction (made by ``Store.loop_pass``).
+
+    The run's loop lock is taken before the first statement of the transaction: with the pass's
+    first reads (``open``, one round trip on PostgreSQL), or on its own when something else
+    comes first."""
 
     def __init__(self, conn: sa.Connection, run_pk: int, now: datetime) -> None:
-        self.conn = conn
+        self._conn = conn
         self.run_pk = run_pk
         self.now = now
+        self._locked = False
         self._view: ViewInputs | None = None
         """The run's situation, read once per pass and kept up to date by this pass's own writes."""
         self._rollback_rules: frozenset[str] = frozenset()
         self._actions: list[tuple[Decision, ActionStatus, tuple[int, ...], int]] = []
         """Decisions recorded in this pass, written in one statement by ``flush_actions``."""
 
+    @property
+    def conn(self) -> sa.Connection:
+        """The pass's connection, under the run's loop lock."""
+        if not self._locked:
+            self.lock()
+        return self._conn
+
     # -- locking and the queue ------------------------------------------------------------------
 
     def lock(self) -> None:
         """Take the run's loop lock until the transaction ends."""
-        if self.conn.dialect.name == "postgresql":
+        if not self._locked:
+            with sql.pipeline(self._conn):
+                self._send_lock()
+
+    def _send_lock(self) -> None:
+        if self._conn.dialect.name == "postgresql":
             # No WAL flush wait at commit: a pass lost in a crash leaves its queue rows, so its batches
             # are judged again (findings and the queue's deletion commit or vanish together).
-            sql.run(self.conn, "SET LOCAL synchronous_commit TO OFF")
-            sql.run(self.conn, "SELECT pg_advisory_xact_lock(?, ?)", (LOOP_LOCK_CLASS, self.run_pk))
+            sql.run(self._conn, "SET LOCAL synchronous_commit TO OFF")
+            sql.run(self._conn, "SELECT pg_advisory_xact_lock(?, ?)", (LOOP_LOCK_CLASS, self.run_pk))
         else:  # a write first: SQLite's one write lock, held to commit, orders passes of every process
-            sql.run(self.conn, "DELETE FROM loop_queue WHERE 0")
+            sql.run(self._conn, "DELETE FROM loop_queue WHERE 0")
+        self._locked = True
+
+    def open(self, limit: int) -> PassInputs:
+        """Take the lock and read the pass's inputs, all in one round trip on PostgreSQL: the
+        queue, the run, the detector states, unconfirmed checkpoints and whether anything is off
+        FP8. (Each read is a superset of what the queue will call for, trimmed here.)"""
+        conn, pk = self._conn, self.run_pk
+        with sql.pipeline(conn):
+            if not self._locked:
+                self._send_lock()
+            queued = sql.fetch_later(conn, _QUEUED, (pk, limit))
+            run = sql.fetch_later(conn, _RUN_INFO, (pk,))
+            cast = "state::text" if conn.dialect.name == "postgresql" else "state"
+            states = sql.fetch_later(conn, f"SELECT rank, {cast} FROM detector_states WHERE run_pk = ?", (pk,))
+            checkpoints = sql.fetch_later(conn, _UNCONFIRMED, (pk,))
+            remediating = sql.fetch_later(conn, _REMEDIATING, self._remediating_args())
+        batches = _queued(queued.rows())
+        ranks = {q.rank for q in batches}
+        newest = max((q.last_step for q in batches), default=0)
+        run_id, guard, n_tensors = _run_info(conn, run.rows())
+        return PassInputs(
+            queued=batches, run_id=run_id, guard=guard, n_tensors=n_tensors,
+            states={int(r): str(t) for r, t in states.rows() if r in ranks},
+            unconfirmed=[(int(r), int(g), int(st)) for r, g, st in checkpoints.rows() if st <= newest],
+            remediating=bool(remediating.rows()[0][0]))
+
+    def finish(self, states: Sequence[tuple[int, str, int]], queue_ids: Sequence[int]) -> None:
+        """The pass's last writes: each rank's detector state ``(rank, JSON text, last step)`` and
+        the judged queue rows' deletion; on PostgreSQL the transaction commits with them, in one
+        round trip. Nothing may be written after."""
+        with sql.pipeline(self.conn, commit=True):
+            for rank, text, last_step in states:
+                self.save_detector_state(rank, text, last_step)
+            self.done(queue_ids)
 
     def queued(self, limit: int) -> list[QueuedBatch]:
-        rows = sql.fetch_all(self.conn, "SELECT id, rank, segment, first_step, last_step FROM loop_queue "
-                                        "WHERE run_pk = ? ORDER BY id LIMIT ?", (self.run_pk, limit))
-        return [QueuedBatch(queue_id=int(r[0]), rank=int(r[1]), segment=int(r[2]), first_step=int(r[3]),
-                            last_step=int(r[4])) for r in rows]
+        return _queued(sql.fetch_all(self.conn, _QUEUED, (self.run_pk, limit)))
 
     def done(self, queue_ids: Sequence[int]) -> None:
         if queue_ids:
@@ -169,26 +235,11 @@ class LoopTxn:
 
     # -- the run -----------------------------------------------------------------------------
 
-    def run_info(self) -> tuple[str, dict[str, Any], int]:
-        """The run's id, guard overrides and number of tensors."""
-        row = sql.fetch_one(self.conn, "SELECT run_id, guard, (SELECT count(*) FROM tensors WHERE run_pk = runs.id) "
-                                       "FROM runs WHERE id = ?", (self.run_pk,))
-        assert row is not None
-        return str(row[0]), dict(sql.json_value(self.conn, row[1]) or {}), int(row[2])
-
     def tensors(self) -> list[TensorRow]:
         return [TensorRow(*r) for r in sql.fetch_all(
             self.conn, "SELECT name, module, role, fp8_format FROM tensors WHERE run_pk = ? ORDER BY idx", (self.run_pk,))]
 
     # -- detector state ------------------------------------------------------------------------
-
-    def detector_states(self, ranks: Iterable[int]) -> dict[int, str]:
-        """Each rank's detector state as the JSON text stored (the loop compares it with the state
-        it keeps in memory before parsing it)."""
-        wanted = set(ranks)
-        cast = "state::text" if self.conn.dialect.name == "postgresql" else "state"
-        return {int(r[0]): str(r[1]) for r in sql.fetch_all(
-            self.conn, f"SELECT rank, {cast} FROM detector_states WHERE run_pk = ?", (self.run_pk,)) if r[0] in wanted}
 
     def save_detector_state(self, rank: int, state: str, last_step: int) -> None:
         """``state``: JSON text, stored verbatim (a json column, not jsonb: read back as written)."""
@@ -219,12 +270,6 @@ class LoopTxn:
                         v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), f.step)
         return ids
 
-    def unconfirmed_checkpoints(self, up_to_step: int) -> list[tuple[int, int, int]]:
-        """(rank, segment, step) of checkpoints not yet known-good, saved at or before ``up_to_step``."""
-        return [(int(r), int(g), int(s)) for r, g, s in sql.fetch_all(
-            self.conn, "SELECT rank, segment, step FROM checkpoints WHERE run_pk = ? AND NOT known_good AND step <= ?",
-            (self.run_pk, up_to_step))]
-
     def troubled_between(self, first: int, last: int, *, seen_by: int) -> bool:
         """Whether a warning or critical finding made by step ``seen_by`` has its onset in [first, last]."""
         return bool(self.conn.scalar(sa.select(sa.func.count()).select_from(SqlFinding).where(
@@ -239,13 +284,8 @@ class LoopTxn:
         if checkpoints and self._view is not None:
             self._view.checkpoints, self._view.known_good = self._timeline_checkpoints()
 
-    def has_remediation_state(self) -> bool:
-        """Whether any module is (or is being switched) off FP8: promotions need a look then."""
-        row = sql.fetch_one(
-            self.conn, "SELECT EXISTS (SELECT 1 FROM layer_precision WHERE run_pk = ? AND precision <> ?) OR "
-                       "EXISTS (SELECT 1 FROM actions WHERE run_pk = ? AND status = ? AND kind IN (?, ?))",
-            (self.run_pk, str(Precision.FP8), self.run_pk, str(ActionStatus.PENDING), *map(str, _SWITCHES)))
-        return bool(row and row[0])
+    def _remediating_args(self) -> tuple[Any, ...]:
+        return (self.run_pk, str(Precision.FP8), self.run_pk, str(ActionStatus.PENDING), *map(str, _SWITCHES))
 
     def view_inputs(self, rollback_rules: Iterable[str]) -> ViewInputs:
         """The run's situation, read once per pass (the policy asks at every decision point: a batch
@@ -333,6 +373,24 @@ class LoopTxn:
 
     def enqueue_alerts(self, rows: Sequence[OutboxRow]) -> int:
         return insert_rows(self.conn, rows, run_pk=self.run_pk)
+
+
+_QUEUED = "SELECT id, rank, segment, first_step, last_step FROM loop_queue WHERE run_pk = ? ORDER BY id LIMIT ?"
+_RUN_INFO = "SELECT run_id, guard, (SELECT count(*) FROM tensors WHERE run_pk = runs.id) FROM runs WHERE id = ?"
+_UNCONFIRMED = "SELECT rank, segment, step FROM checkpoints WHERE run_pk = ? AND NOT known_good"
+_REMEDIATING = ("SELECT EXISTS (SELECT 1 FROM layer_precision WHERE run_pk = ? AND precision <> ?) OR "
+                "EXISTS (SELECT 1 FROM actions WHERE run_pk = ? AND status = ? AND kind IN (?, ?))")
+
+
+def _queued(rows: list[tuple[Any, ...]]) -> list[QueuedBatch]:
+    return [QueuedBatch(queue_id=int(r[0]), rank=int(r[1]), segment=int(r[2]), first_step=int(r[3]),
+                        last_step=int(r[4])) for r in rows]
+
+
+def _run_info(conn: sa.Connection, rows: list[tuple[Any, ...]]) -> tuple[str, dict[str, Any], int]:
+    assert rows, "the run of a loop pass exists (runs are never deleted while queued)"
+    run_id, guard, n_tensors = rows[0]
+    return str(run_id), dict(sql.json_value(conn, guard) or {}), int(n_tensors)
 
 
 def _apply_action(v: ViewInputs, decision: Decision, status: ActionStatus, step: int) -> None:

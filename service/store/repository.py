@@ -288,11 +288,10 @@ class Store:
     # -- the closed loop ----------------------------------------------------------------------
 
     def loop_pass(self, run_pk: int, judge: Callable[[LoopTxn], T]) -> T:
-        """Run ``judge`` on the run's loop state in one transaction, under the run's loop lock."""
+        """Run ``judge`` on the run's loop state in one transaction, under the run's loop lock
+        (``LoopTxn`` takes it before the transaction's first statement)."""
         with self._session(write=True) as s:
-            txn = LoopTxn(s.connection(), run_pk, datetime.now(UTC))
-            txn.lock()
-            return judge(txn)
+            return judge(LoopTxn(s.connection(), run_pk, datetime.now(UTC)))
 
     def queued_runs(self, limit: int = 1000) -> list[int]:
         """Runs with stored batches the loop has not judged (a crash's or another process's)."""

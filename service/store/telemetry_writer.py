@@ -32,13 +32,6 @@ from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, Ten
 from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
 from fp8guard.service.kinds import ActionStatus, Precision
 from fp8guard.service.store import buckets, sql
-from fp8guard.service.store.models import (
-    SqlAction,
-    SqlCheckpoint,
-    SqlEvent,
-    SqlLayerPrecision,
-    SqlRun,
-)
 from fp8guard.service.store.rollup_writer import SERIES_COLUMNS, RollupTail, merge_rollups, recompute_rollups
 from fp8guard.wire import STEP_FIELDS
 
@@ -382,14 +375,11 @@ def _write_raw(
 def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
     if not batch.events:
         return
-    conn.execute(
-        sa.insert(SqlEvent),
-        [{"run_pk": run_pk, "rank": batch.rank, "segment": batch.segment, "step": e.step, "time": e.time,
-          "kind": e.kind, "data": e.data} for e in batch.events],
-    )
+    sql.run_many(conn, "INSERT INTO events (run_pk, rank, segment, step, time, kind, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 [(run_pk, batch.rank, batch.segment, e.step, e.time, e.kind, json.dumps(e.data)) for e in batch.events])
     status = next((_STATUS_BY_EVENT[e.kind] for e in reversed(batch.events) if e.kind in _STATUS_BY_EVENT), None)
     if status is not None:
-        conn.execute(sa.update(SqlRun).where(SqlRun.id == run_pk).values(status=status))
+        sql.run(conn, "UPDATE runs SET status = ? WHERE id = ?", (status, run_pk))
 
 
 def _update_progress(
@@ -423,16 +413,17 @@ def _record_agent_facts(conn: sa.Connection, run_pk: int, batch: Batch, now: dat
         data: dict[str, Any] = e.data or {}
         if e.kind == wire.EventKind.COMMAND_ACKNOWLEDGED:
             ack = wire.CommandAck.from_json(data)  # validated at the door already
-            conn.execute(sa.update(SqlAction).where(
-                SqlAction.run_pk == run_pk, SqlAction.id == ack.command_id,
-                SqlAction.status.in_((ActionStatus.PENDING, ActionStatus.RECOMMENDED)))
-                .values(status=ActionStatus(ack.status.value), applied_step=ack.applied_step or e.step, applied_at=now,
-                        error=ack.error[:1024] if ack.error else None))
+            sql.run(conn, "UPDATE actions SET status = ?, applied_step = ?, applied_at = ?, error = ? "
+                          "WHERE run_pk = ? AND id = ? AND status IN (?, ?)",
+                    (str(ActionStatus(ack.status.value)), ack.applied_step or e.step, sql.timestamp(conn, now),
+                     ack.error[:1024] if ack.error else None, run_pk, ack.command_id,
+                     str(ActionStatus.PENDING), str(ActionStatus.RECOMMENDED)))
         elif e.kind == wire.EventKind.CHECKPOINT_SAVED and e.step is not None:
-            conn.execute(upsert_insert(conn)(SqlCheckpoint).values(
-                run_pk=run_pk, rank=batch.rank, segment=batch.segment, step=e.step,
-                path=str(data.get("path"))[:1024] if data.get("path") else None,
-                known_good=bool(data.get("known_good", False)), created_at=now).on_conflict_do_nothing())
+            sql.run(conn, "INSERT INTO checkpoints (run_pk, rank, segment, step, path, known_good, created_at) "
+                          "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (run_pk, batch.rank, batch.segment, e.step,
+                     str(data.get("path"))[:1024] if data.get("path") else None,
+                     bool(data.get("known_good", False)), sql.timestamp(conn, now)))
         elif e.kind in (wire.EventKind.FALLBACK_APPLIED, wire.EventKind.PROMOTION_APPLIED) and e.step is not None:
             modules = data.get("modules")
             if not modules:
@@ -452,10 +443,7 @@ def _set_precision(conn: sa.Connection, run_pk: int, modules: Sequence[str], pre
                    action_id: int | None) -> None:
     if not modules:
         return
-    stmt = upsert_insert(conn)(SqlLayerPrecision)
-    stmt = stmt.on_conflict_do_update(index_elements=["run_pk", "module"],
-                                      set_={"precision": stmt.excluded.precision,
-                                            "since_step": stmt.excluded.since_step,
-                                            "action_id": stmt.excluded.action_id})
-    conn.execute(stmt, [{"run_pk": run_pk, "module": m, "precision": str(precision), "since_step": step,
-                         "action_id": action_id} for m in modules])
+    sql.run_many(conn, "INSERT INTO layer_precision (run_pk, module, precision, since_step, action_id) "
+                       "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_pk, module) DO UPDATE SET "
+                       "precision = excluded.precision, since_step = excluded.since_step, action_id = excluded.action_id",
+                 [(run_pk, m, str(precision), step, action_id) for m in modules])
