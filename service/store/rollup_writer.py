@@ -44,13 +44,16 @@ class RollupTail:
 
 def upsert_rows(conn: sa.Connection, rows: list[tuple[Any, ...]]) -> None:
     """Insert or replace ``tensor_series`` rows (roll-ups; raw rows have their own COPY path)."""
+    if not rows:
+        return
     if conn.dialect.name == "postgresql":
-        sql.run_many(
-            conn,
-            f"INSERT INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?) "
-            "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
-            rows,
-        )
+        # One statement, the rows as binary arrays: in a pipeline every statement costs a send, and
+        # ``executemany`` sends one per row. The rows' keys are distinct (one row per stat, level
+        # and block), as ON CONFLICT DO UPDATE requires of one statement.
+        sql.run(conn, f"INSERT INTO tensor_series ({SERIES_COLUMNS}) SELECT * FROM unnest(%b::int4[], %b::int4[], "
+                      "%b::int4[], %b::int4[], %b::int2[], %b::int8[], %b::bytea[]) "
+                      "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
+                [list(col) for col in zip(*rows, strict=True)])
     else:
         sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
 

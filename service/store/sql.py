@@ -6,7 +6,9 @@ statements per batch. Those few are written once as SQL text with ``?`` placehol
 into ``%s`` for psycopg) and run on the DB-API cursor of the SQLAlchemy connection, in its
 transaction: even ``exec_driver_sql`` spent as long again as the driver on building its result
 object (12 us against 2 us per SQLite statement, half a pass's database time on PostgreSQL).
-Rows come back as plain tuples. A failing statement raises the driver's own (DB-API) exception,
+Rows come back as plain tuples. PostgreSQL-only statements may
+write ``%b`` for a parameter sent in binary: arrays, which psycopg's text format quotes element
+by element (0.67 ms against 0.09 ms for a small batch's raw rows). A failing statement raises the driver's own (DB-API) exception,
 its cursor closed; ``Store`` translates those and SQLAlchemy's in one place. Everything else
 uses SQLAlchemy.
 
@@ -68,7 +70,10 @@ def pipeline(conn: sa.Connection, *, commit: bool = False) -> Iterator[None]:
     with raw.pipeline():
         yield
         if commit:
-            raw.commit()
+            # A COMMIT statement rather than ``raw.commit()``, which syncs at once: the block's end
+            # syncs anyway, and a second sync would be a second round trip. The driver learns
+            # the transaction ended from the server's answer; the caller's commit is then a no-op.
+            raw.execute("COMMIT")
 
 
 class Later:
@@ -149,7 +154,7 @@ def insert_returning_ids(conn: sa.Connection, table: str, columns: Sequence[tupl
         return []
     names = ", ".join(name for name, _ in columns)
     if conn.dialect.name == "postgresql":
-        arrays = ", ".join(f"?::{kind}[]" for _, kind in columns)
+        arrays = ", ".join(f"%b::{kind}[]" for _, kind in columns)
         picked = ", ".join(f"r.{name}" for name, _ in columns)
         statement = (
             f"WITH ids AS (SELECT nextval(pg_get_serial_sequence('{table}', 'id')) AS id FROM generate_series(1, ?)), "

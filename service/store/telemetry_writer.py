@@ -329,7 +329,7 @@ def _write_steps(conn: sa.Connection, run_pk: int, batch: Batch, *, overlap: boo
 
 _STEP_TYPES = ("bigint", "float8", *["float8"] * len(STEP_FIELDS), "bigint", "int2")
 _INSERT_STEPS_PG = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) SELECT ?, ?, ?, * FROM unnest("
-                    f"{', '.join(f'?::{t}[]' for t in _STEP_TYPES)})")
+                    f"{', '.join(f'%b::{t}[]' for t in _STEP_TYPES)})")
 _UPSERT_STEPS = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) VALUES ({', '.join(['?'] * len(_STEP_COLUMNS))}) "
                  f"ON CONFLICT (run_pk, rank, segment, step) DO UPDATE SET "
                  f"{', '.join(f'{c} = excluded.{c}' for c in _STEP_COLUMNS[4:])}")
@@ -368,7 +368,7 @@ def _write_raw(
     # Arrays in one statement of fixed text (bytea in binary): it rides in the ingest pipeline,
     # which COPY cannot.
     sql.run(conn, "INSERT INTO tensor_series (run_pk, rank, segment, stat_id, level, block, data) "
-                  "SELECT ?, ?, ?, s, 1, b, d FROM unnest(?::int4[], ?::int8[], ?::bytea[]) AS r(s, b, d)",
+                  "SELECT ?, ?, ?, s, 1, b, d FROM unnest(%b::int4[], %b::int8[], %b::bytea[]) AS r(s, b, d)",
             (*key, [r[3] for r in rows], [r[5] for r in rows], [r[6] for r in rows]))
 
 
