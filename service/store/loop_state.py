@@ -23,7 +23,6 @@ from fp8guard.service.domain import Batch, Decision, EventRecord, Finding, Queue
 from fp8guard.service.kinds import FP8_RULES, ActionKind, ActionStatus, Precision, Severity
 from fp8guard.service.store import sql
 from fp8guard.service.store.models import (
-    SqlCheckpoint,
     SqlEvent,
     SqlFinding,
     SqlLoopQueue,
@@ -64,8 +63,8 @@ class ViewInputs:
     """The run's situation the policy weighs, read in the pass's transaction."""
 
     __slots__ = ("checkpoints", "known_good", "last_fp8_finding", "last_loss_event", "last_page", "pending_modules",
-                 "pinned",
-                 "precision", "recent_rollbacks", "rollback_pending", "whole_model_pending")
+                 "pinned", "precision", "recent_rollbacks", "rollback_pending", "segment_firsts", "stored_checkpoints",
+                 "whole_model_pending")
 
     def __init__(self) -> None:
         self.precision: dict[str, tuple[Precision, int]] = {}
@@ -84,6 +83,10 @@ class ViewInputs:
         self.last_loss_event: int | None = None
         """Onset of the latest finding of a rollback rule."""
         self.last_page: int | None = None
+        self.segment_firsts: dict[int, int] = {}
+        """Segment -> its first step (over ranks): what ``checkpoints`` is derived from, with ..."""
+        self.stored_checkpoints: dict[tuple[int, int, int], bool] = {}
+        """... every (rank, segment, step) checkpoint and whether it is known-good."""
 
 
 class PassInputs:
@@ -260,14 +263,8 @@ class LoopTxn:
                  json.dumps(list(f.modules)), json.dumps(f.evidence), now) for f in findings]
         ids = sql.insert_returning_ids(self.conn, "findings", _FINDING_COLUMNS, rows)
         if self._view is not None:
-            v = self._view
             for f in findings:
-                if str(f.rule) in self._rollback_rules:
-                    v.last_loss_event = f.onset_step if v.last_loss_event is None else max(v.last_loss_event,
-                                                                                           f.onset_step)
-                if f.rule in FP8_RULES:
-                    for m in f.modules:
-                        v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), f.step)
+                _fold_finding(self._view, self._rollback_rules, str(f.rule), f.onset_step, f.step, f.modules)
         return ids
 
     def troubled_between(self, first: int, last: int, *, seen_by: int) -> bool:
@@ -277,87 +274,68 @@ class LoopTxn:
             SqlFinding.onset_step.between(first, last), SqlFinding.step <= seen_by)))
 
     def mark_known_good(self, checkpoints: Sequence[tuple[int, int, int]]) -> None:
-        ck = SqlCheckpoint
-        for rank, segment, step in checkpoints:
-            self.conn.execute(sa.update(ck).where(ck.run_pk == self.run_pk, ck.rank == rank, ck.segment == segment,
-                                                  ck.step == step).values(known_good=True))
+        """Mark (rank, segment, step) checkpoints known-good (the run's situation follows)."""
+        sql.run_many(self.conn, "UPDATE checkpoints SET known_good = ? WHERE run_pk = ? AND rank = ? AND segment = ? "
+                                "AND step = ?", [(True, self.run_pk, *c) for c in checkpoints])
         if checkpoints and self._view is not None:
-            self._view.checkpoints, self._view.known_good = self._timeline_checkpoints()
+            self._view.stored_checkpoints.update(dict.fromkeys(checkpoints, True))
+            self._view.checkpoints, self._view.known_good = _timeline(self._view)
 
     def _remediating_args(self) -> tuple[Any, ...]:
         return (self.run_pk, str(Precision.FP8), self.run_pk, str(ActionStatus.PENDING), *map(str, _SWITCHES))
 
     def view_inputs(self, rollback_rules: Iterable[str]) -> ViewInputs:
         """The run's situation, read once per pass (the policy asks at every decision point: a batch
-        of random data has one at nearly every step) and then kept up to date in memory by this
-        pass's own writes (``add_findings``, ``add_action``, ``mark_known_good``), so every
-        decision sees the earlier decisions of its pass. The caller must not change it."""
+        of random data has one at nearly every step; one round trip on PostgreSQL) and then kept up
+        to date in memory by this pass's own writes (``add_findings``, ``add_action``,
+        ``mark_known_good``), so every decision sees the earlier decisions of its pass. Stored rows
+        and the pass's own records go through the same rules (``_fold_action``, ``_fold_finding``,
+        ``_timeline``): the SQL only narrows the rows read. One set of rollback rules per pass.
+        The caller must not change the view."""
         rules = frozenset(str(r) for r in rollback_rules)
-        if self._view is None or rules != self._rollback_rules:
+        if self._view is None:
             self._view, self._rollback_rules = self._read_view(rules), rules
-            for decision, status, _, step in self._actions:  # recorded, not written yet
-                _apply_action(self._view, decision, status, step)
+            for decision, status, _, step in self._actions:  # recorded before the read, not written yet
+                _fold_action(self._view, decision.kind, status, step, decision.modules)
+        elif rules != self._rollback_rules:
+            raise ValueError("a pass judges with one set of rollback rules")
         return self._view
 
-    def _read_view(self, rollback_rules: Iterable[str]) -> ViewInputs:
+    def _read_view(self, rollback_rules: frozenset[str]) -> ViewInputs:
         v = ViewInputs()
         conn, pk = self.conn, self.run_pk
-        for module, precision, since in sql.fetch_all(
-                conn, "SELECT module, precision, since_step FROM layer_precision WHERE run_pk = ?", (pk,)):
-            v.precision[str(module)] = (Precision(precision), int(since))
+        rules = sorted(rollback_rules | {str(r) for r in FP8_RULES})
+        with sql.pipeline(conn):
+            precision = sql.fetch_later(conn, "SELECT module, precision, since_step FROM layer_precision "
+                                              "WHERE run_pk = ?", (pk,))
+            actions = sql.fetch_later(conn, f"SELECT kind, status, step, payload FROM actions WHERE run_pk = ? "
+                                            f"AND kind IN ({', '.join('?' * len(_VIEW_ACTIONS))})",
+                                      (pk, *map(str, _VIEW_ACTIONS)))
+            findings = sql.fetch_later(conn, f"SELECT rule, onset_step, step, modules FROM findings WHERE run_pk = ? "
+                                             f"AND rule IN ({', '.join('?' * len(rules))})", (pk, *rules))
+            segments = sql.fetch_later(conn, "SELECT segment, min(first_step) FROM segments WHERE run_pk = ? "
+                                             "GROUP BY segment", (pk,))
+            checkpoints = sql.fetch_later(conn, "SELECT rank, segment, step, known_good FROM checkpoints "
+                                                "WHERE run_pk = ?", (pk,))
+        for module, p, since in precision.rows():
+            v.precision[str(module)] = (Precision(p), int(since))
         v.pinned = frozenset(m for m, (p, _) in v.precision.items() if p is Precision.PINNED)
-        kinds = [str(k) for k in (*_SWITCHES, ActionKind.ROLLBACK)]
-        for kind_text, status, step, payload in sql.fetch_all(
-                conn, "SELECT kind, status, step, payload FROM actions WHERE run_pk = ? AND kind IN (?, ?, ?) "
-                      "AND status IN (?, ?)", (pk, *kinds, str(ActionStatus.PENDING), str(ActionStatus.APPLIED))):
-            kind = ActionKind(kind_text)
-            if kind is ActionKind.ROLLBACK:
-                v.recent_rollbacks.append(int(step))
-                v.rollback_pending |= status == ActionStatus.PENDING
-            elif status == ActionStatus.PENDING:
-                modules = (sql.json_value(conn, payload) or {}).get("modules")
-                if modules is None:
-                    v.whole_model_pending |= kind is ActionKind.FALLBACK
-                else:
-                    v.pending_modules.update({str(m): kind for m in modules})
-        v.checkpoints, v.known_good = self._timeline_checkpoints()
-        row = sql.fetch_one(conn, "SELECT max(step) FROM actions WHERE run_pk = ? AND kind = ?",
-                            (pk, str(ActionKind.PAGE)))
-        v.last_page = None if row is None or row[0] is None else int(row[0])
-        rules = [str(r) for r in rollback_rules]
-        if rules:
-            row = sql.fetch_one(conn, f"SELECT max(onset_step) FROM findings WHERE run_pk = ? "
-                                      f"AND rule IN ({', '.join('?' * len(rules))})", (pk, *rules))
-            v.last_loss_event = None if row is None or row[0] is None else int(row[0])
-        fp8 = [str(r) for r in FP8_RULES]
-        for modules, fstep in sql.fetch_all(conn, f"SELECT modules, step FROM findings WHERE run_pk = ? "
-                                                  f"AND rule IN ({', '.join('?' * len(fp8))})", (pk, *fp8)):
-            for m in sql.json_value(conn, modules) or []:
-                v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), int(fstep))
+        for kind, status, step, payload in actions.rows():
+            modules = (sql.json_value(conn, payload) or {}).get("modules")
+            _fold_action(v, ActionKind(kind), ActionStatus(status), int(step), modules)
+        for rule, onset, step, modules in findings.rows():
+            _fold_finding(v, rollback_rules, str(rule), int(onset), int(step), sql.json_value(conn, modules) or ())
+        v.segment_firsts = {int(g): int(f) for g, f in segments.rows()}
+        v.stored_checkpoints = {(int(r), int(g), int(st)): bool(good) for r, g, st, good in checkpoints.rows()}
+        v.checkpoints, v.known_good = _timeline(v)
         return v
-
-    def _timeline_checkpoints(self) -> tuple[list[int], list[int]]:
-        """Checkpoints still on the current timeline (all, known-good): a checkpoint of segment k at
-        a step that a later segment re-ran was abandoned by the rollback that started that segment."""
-        firsts = {int(s): int(f) for s, f in sql.fetch_all(
-            self.conn, "SELECT segment, min(first_step) FROM segments WHERE run_pk = ? GROUP BY segment",
-            (self.run_pk,))}
-        every, good = set(), set()
-        for seg, step, known_good in sql.fetch_all(
-                self.conn, "SELECT segment, step, known_good FROM checkpoints WHERE run_pk = ?", (self.run_pk,)):
-            later = [f for s, f in firsts.items() if s > seg]
-            if not later or step < min(later):
-                every.add(int(step))
-                if known_good:
-                    good.add(int(step))
-        return sorted(every), sorted(good)
 
     def add_action(self, decision: Decision, status: ActionStatus, finding_ids: Sequence[int], step: int) -> None:
         """Record a decision: the run's situation (``view_inputs``) includes it at once; its row is
         written with the pass's others by ``flush_actions``."""
         self._actions.append((decision, status, tuple(finding_ids), step))
         if self._view is not None:
-            _apply_action(self._view, decision, status, step)
+            _fold_action(self._view, decision.kind, status, step, decision.modules)
 
     def flush_actions(self) -> list[tuple[int, Decision, int]]:
         """Write the decisions recorded since the last flush (multi-row statements); returns
@@ -393,16 +371,48 @@ def _run_info(conn: sa.Connection, rows: list[tuple[Any, ...]]) -> tuple[str, di
     return str(run_id), dict(sql.json_value(conn, guard) or {}), int(n_tensors)
 
 
-def _apply_action(v: ViewInputs, decision: Decision, status: ActionStatus, step: int) -> None:
-    """``v`` as it reads once the action row of ``decision`` is stored (what ``_read_view`` reads)."""
-    kind = decision.kind
+_VIEW_ACTIONS = (ActionKind.FALLBACK, ActionKind.PROMOTE, ActionKind.ROLLBACK, ActionKind.PAGE)
+"""The action kinds the run's situation is made of (``_fold_action``)."""
+
+
+def _fold_action(v: ViewInputs, kind: ActionKind, status: ActionStatus, step: int,
+                 modules: Iterable[str] | None) -> None:
+    """Add one action, stored or just decided, to the run's situation: the latest page; rollbacks
+    pending or applied; switches (``modules`` None: the whole model) the agent has not answered."""
     if kind is ActionKind.PAGE:
         v.last_page = step if v.last_page is None else max(v.last_page, step)
     elif kind is ActionKind.ROLLBACK and status in (ActionStatus.PENDING, ActionStatus.APPLIED):
         v.recent_rollbacks.append(step)
         v.rollback_pending |= status is ActionStatus.PENDING
     elif kind in _SWITCHES and status is ActionStatus.PENDING:
-        if decision.modules is None:
+        if modules is None:
             v.whole_model_pending |= kind is ActionKind.FALLBACK
         else:
-            v.pending_modules.update({str(m): kind for m in decision.modules})
+            v.pending_modules.update({str(m): kind for m in modules})
+
+
+def _fold_finding(v: ViewInputs, rollback_rules: frozenset[str], rule: str, onset: int, step: int,
+                  modules: Iterable[str]) -> None:
+    """Add one finding to the run's situation: the onset of the latest rollback-rule finding, and
+    the latest FP8 finding per module."""
+    if rule in rollback_rules:
+        v.last_loss_event = onset if v.last_loss_event is None else max(v.last_loss_event, onset)
+    if rule in _FP8_RULE_NAMES:
+        for m in modules:
+            v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), step)
+
+
+_FP8_RULE_NAMES = frozenset(str(r) for r in FP8_RULES)
+
+
+def _timeline(v: ViewInputs) -> tuple[list[int], list[int]]:
+    """Checkpoint steps still on the current timeline (all, known-good): a checkpoint of segment k at
+    a step that a later segment re-ran was abandoned by the rollback that started that segment."""
+    every, good = set(), set()
+    for (_, seg, step), known_good in v.stored_checkpoints.items():
+        later = [f for g, f in v.segment_firsts.items() if g > seg]
+        if not later or step < min(later):
+            every.add(step)
+            if known_good:
+                good.add(step)
+    return sorted(every), sorted(good)
