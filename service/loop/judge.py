@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fp8guard import wire
 from fp8guard.service.alerts.config import AlertSettings
 from fp8guard.service.alerts.from_decisions import alert_rows
 from fp8guard.service.domain import Batch, Decision, Finding, QueuedBatch
@@ -40,6 +41,8 @@ class PassResult:
     """Commands issued (pending for the agent)."""
     more: bool
     """The pass stopped at its limit: more batches wait."""
+    pending: tuple[wire.Command, ...] = ()
+    """When the pass issued commands: the run's pending commands as its transaction committed them."""
 
 
 def tensor_metas(rows: Sequence[TensorRow]) -> list[TensorMeta]:
@@ -143,11 +146,12 @@ class Judge:
         for rank, detector in detectors.items():
             text = json.dumps(detector.state_dict(), allow_nan=False)
             saved.append((rank, text, last_step[rank], detector))
-        txn.finish([(rank, text, step) for rank, text, step, _ in saved], [q.queue_id for q in queued])
+        pending = txn.finish([(rank, text, step) for rank, text, step, _ in saved], [q.queue_id for q in queued],
+                             read_commands=commands > 0)
         for rank, text, _, detector in saved:
             self._detectors.keep((txn.run_pk, rank), cfg, metas, text, detector)
         return PassResult(run_id=run_id, judged=len(queued), commands=commands,
-                          more=len(queued) == (limit or self.batch_limit))
+                          more=len(queued) == (limit or self.batch_limit), pending=tuple(pending))
 
     def _config(self, guard: dict[str, Any]) -> GuardConfig:
         """The run's guard, validated once per distinct set of overrides."""

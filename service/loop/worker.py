@@ -19,8 +19,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from fp8guard import wire
 from fp8guard.service.domain import Batch
 from fp8guard.service.errors import StorageUnavailable
 from fp8guard.service.loop.judge import Judge, PassResult
@@ -47,7 +48,8 @@ class LoopStats:
 
 class LoopWorker:
     def __init__(self, store: Store, judge: Judge, *, threads: int = 2, sweep_interval_s: float = 1.0,
-                 max_held: int = 4096, on_commands: Callable[[str], None] | None = None) -> None:
+                 max_held: int = 4096,
+                 on_commands: Callable[[str, Sequence[wire.Command]], None] | None = None) -> None:
         if threads < 1:
             raise ValueError(f"the loop needs at least one thread, got {threads}")
         self.store = store
@@ -55,7 +57,8 @@ class LoopWorker:
         self.threads = threads
         self.sweep_interval_s = sweep_interval_s
         self.max_held = max_held
-        self.on_commands = on_commands or (lambda run_id: None)
+        self.on_commands = on_commands or (lambda run_id, pending: None)
+        """Called with a run and its pending commands after a pass issued commands."""
         self.stats = LoopStats()
         self._cv = threading.Condition()
         self._dirty: deque[int] = deque()
@@ -201,7 +204,7 @@ class LoopWorker:
         self.stats.commands += result.commands
         self.stats.seconds += seconds
         if result.commands:
-            self.on_commands(result.run_id)
+            self.on_commands(result.run_id, result.pending)
 
     def _sweep(self) -> None:
         while True:

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
+from fp8guard import wire
 from fp8guard.service.domain import Batch, Decision, EventRecord, Finding, QueuedBatch, StatBlock, StepRow
 from fp8guard.service.kinds import FP8_RULES, ActionKind, ActionStatus, Precision, Severity
-from fp8guard.service.store import sql
+from fp8guard.service.store import records, sql
 from fp8guard.service.store.models import (
     SqlEvent,
     SqlFinding,
@@ -174,14 +175,18 @@ class LoopTxn:
             unconfirmed=[(int(r), int(g), int(st)) for r, g, st in checkpoints.rows() if st <= newest],
             remediating=bool(remediating.rows()[0][0]))
 
-    def finish(self, states: Sequence[tuple[int, str, int]], queue_ids: Sequence[int]) -> None:
+    def finish(self, states: Sequence[tuple[int, str, int]], queue_ids: Sequence[int], *,
+               read_commands: bool = False) -> list[wire.Command]:
         """The pass's last writes: each rank's detector state ``(rank, JSON text, last step)`` and
         the judged queue rows' deletion; on PostgreSQL the transaction commits with them, in one
-        round trip. Nothing may be written after."""
+        round trip. Nothing may be written after. ``read_commands``: also return the run's pending
+        commands as this transaction sees them (read in the same round trip)."""
         with sql.pipeline(self.conn, commit=True):
             for rank, text, last_step in states:
                 self.save_detector_state(rank, text, last_step)
             self.done(queue_ids)
+            commands = records.pending_commands_later(self._conn, self.run_pk) if read_commands else None
+        return [] if commands is None else commands()
 
     def queued(self, limit: int) -> list[QueuedBatch]:
         return _queued(sql.fetch_all(self.conn, _QUEUED, (self.run_pk, limit)))
