@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -70,6 +70,9 @@ class _RunMetricsSource(Protocol):
 
     @property
     def engine(self) -> sa.Engine: ...
+
+    @property
+    def on_database_error(self) -> list[Callable[[BaseException], None]]: ...
 
     def run_metrics(self, max_runs: int) -> tuple[list[RunMetrics], int]: ...
 
