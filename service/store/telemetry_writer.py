@@ -322,14 +322,14 @@ def _write_steps(conn: sa.Connection, run_pk: int, batch: Batch, *, overlap: boo
         # One statement of fixed text, the columns as arrays: it rides in the ingest pipeline
         # (COPY cannot), and costs no more Python than COPY's rows did.
         sql.run(conn, _INSERT_STEPS_PG, (run_pk, batch.rank, batch.segment,
-                                         *(list(col) for col in list(zip(*rows, strict=True))[3:])))
+                                         *(sql.array_literal(col) for col in list(zip(*rows, strict=True))[3:])))
         return
     sql.run_many(conn, _UPSERT_STEPS, rows)
 
 
 _STEP_TYPES = ("bigint", "float8", *["float8"] * len(STEP_FIELDS), "bigint", "int2")
 _INSERT_STEPS_PG = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) SELECT ?, ?, ?, * FROM unnest("
-                    f"{', '.join(f'%b::{t}[]' for t in _STEP_TYPES)})")
+                    f"{', '.join(f'?::{t}[]' for t in _STEP_TYPES)})")
 _UPSERT_STEPS = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) VALUES ({', '.join(['?'] * len(_STEP_COLUMNS))}) "
                  f"ON CONFLICT (run_pk, rank, segment, step) DO UPDATE SET "
                  f"{', '.join(f'{c} = excluded.{c}' for c in _STEP_COLUMNS[4:])}")
@@ -342,34 +342,41 @@ def _write_block(
     key = (run_pk, batch.rank, batch.segment)
     values = np.ascontiguousarray(block.values.astype("<f4", copy=False))
     steps = block.steps
-    raw_rows = [
-        (*key, stat_ids[name], 1, int(step), values[i, k].tobytes())
-        for k, name in enumerate(block.stats)
-        for i, step in enumerate(steps)
-    ]
     ids = [stat_ids[n] for n in block.stats]
-    _write_raw(conn, raw_rows, key, ids, steps, overlap=overlap)
+    _write_raw(conn, key, ids, steps, values, overlap=overlap)
     if overlap:  # stored steps may change value: folding would keep the old extremes
         recompute_rollups(conn, key, ids, steps)
     else:
         merge_rollups(conn, key, ids, buckets.rollups(steps, values), tail, new_tail)
 
 
+_INSERT_RAW_PG = (f"INSERT INTO tensor_series ({SERIES_COLUMNS}) "
+                  "SELECT ?, ?, ?, s.stat_id, 1, b.block, "
+                  "substring(%b::bytea from (((s.k - 1) * ?::int + b.i - 1) * ?::int + 1)::int for ?::int) "
+                  "FROM unnest(?::int4[]) WITH ORDINALITY AS s(stat_id, k), unnest(?::int8[]) WITH ORDINALITY AS b(block, i)")
+"""The raw rows of a block, (stat, step) pairs, cut server-side from one blob of the values in
+(stat, step, tensor) order: no Python per row, and a statement that rides in the pipeline (COPY cannot)."""
+
+
 def _write_raw(
-    conn: sa.Connection, rows: list[tuple[Any, ...]], key: tuple[int, int, int], stat_ids: list[int],
-    steps: np.ndarray[Any, Any], *, overlap: bool,
+    conn: sa.Connection, key: tuple[int, int, int], stat_ids: list[int], steps: np.ndarray[Any, Any],
+    values: np.ndarray[Any, Any], *, overlap: bool,
 ) -> None:
+    """``values``: (steps, stats, tensors) float32, as the block holds them."""
+    step_list = [int(s) for s in steps]
     if conn.dialect.name != "postgresql":
+        rows = [(*key, sid, 1, step, values[i, k].tobytes())
+                for k, sid in enumerate(stat_ids) for i, step in enumerate(step_list)]
         sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
         return
     if overlap:  # an insert cannot replace: clear re-sent steps first (we hold the rank lock)
         sql.run(conn, "DELETE FROM tensor_series WHERE run_pk = ? AND rank = ? AND segment = ? AND level = 1 "
-                      "AND stat_id = ANY(?) AND block = ANY(?)", (*key, stat_ids, [int(s) for s in steps]))
-    # Arrays in one statement of fixed text (bytea in binary): it rides in the ingest pipeline,
-    # which COPY cannot.
-    sql.run(conn, "INSERT INTO tensor_series (run_pk, rank, segment, stat_id, level, block, data) "
-                  "SELECT ?, ?, ?, s, 1, b, d FROM unnest(%b::int4[], %b::int8[], %b::bytea[]) AS r(s, b, d)",
-            (*key, [r[3] for r in rows], [r[5] for r in rows], [r[6] for r in rows]))
+                      "AND stat_id = ANY(?::int4[]) AND block = ANY(?::int8[])",
+                (*key, sql.array_literal(stat_ids), sql.array_literal(step_list)))
+    width = int(values.shape[2]) * 4
+    blob = np.ascontiguousarray(values.transpose(1, 0, 2)).tobytes()
+    sql.run(conn, _INSERT_RAW_PG, (*key, blob, len(step_list), width, width, sql.array_literal(stat_ids),
+                                   sql.array_literal(step_list)))
 
 
 def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
