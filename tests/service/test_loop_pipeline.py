@@ -285,3 +285,32 @@ def test_the_channel_hands_the_notified_commands_to_a_woken_long_poll() -> None:
     woken, commands, woken_bare, bare_commands = asyncio.run(scenario())
     assert woken and commands == (command,)
     assert woken_bare and bare_commands is None
+
+
+def test_a_run_whose_batch_went_non_finite_is_judged_first(store: Store) -> None:
+    """Dirty runs wait in order, but one with a NaN loss or an infinite amax goes to the front: its
+    decision is what an agent long-polls for."""
+    from fp8guard.service.alerts.config import AlertSettings
+    from fp8guard.service.loop.judge import Judge
+    from fp8guard.service.loop.worker import LoopWorker
+
+    real = Judge(AlertSettings())
+    order: list[int] = []
+
+    def judge(txn: Any, take: Any, **kw: Any) -> Any:
+        order.append(txn.run_pk)
+        return real(txn, take, **kw)
+
+    worker = LoopWorker(store, judge)  # type: ignore[arg-type]
+    pks = {}
+    for run, body in (("calm-a", batch("calm-a", list(range(10)), stats=("amax",), values=_amax(False), n_tensors=12)),
+                      ("calm-b", batch("calm-b", list(range(10)), stats=("amax",), values=_amax(False), n_tensors=12)),
+                      ("inf", _inf_batch("inf")), ("nan", _nan_batch("nan", 0))):
+        store.register_run(RunSpec(run_id=run))
+        decoded = decode_batch(IngestBatchIn.model_validate(body))
+        stored = store.ingest(decoded)
+        assert stored.run_pk is not None
+        pks[run] = stored.run_pk
+        worker.submit(stored.run_pk, stored.queue_id, decoded)
+    worker.run_pending()
+    assert order == [pks["nan"], pks["inf"], pks["calm-a"], pks["calm-b"]]
