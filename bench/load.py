@@ -56,7 +56,9 @@ from fp8guard import wire
 STAT_NAMES = ("amax", "scale", "saturation", "amax_history_max", "overflows", "underflows")
 ROLES = (("fwd_input", "e4m3"), ("fwd_weight", "e4m3"), ("bwd_grad_output", "e5m2"))
 PG_ADMIN_URL = os.environ.get("FP8GUARD_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-PG_LOAD_DB = "fp8guard_load"
+PG_LOAD_DB = f"fp8guard_load_{os.getpid()}"
+"""One database per load generator: two runs on one PostgreSQL (side-by-side comparisons) never drop
+each other's."""
 WARMUP_S = 3.0
 """Latencies of batches sent in the first seconds (every agent's start at once) are left out of
 ``steady_p99_ms``; ``p99_ms`` and ``first_batch_p99_ms`` include them."""

@@ -4,6 +4,7 @@ threat model."""
 
 from fp8guard.service.auth.access import (
     AUTH_RESPONSES,
+    OPENAPI_SECURITY,
     SESSION_COOKIE,
     AdminAccess,
     Authenticator,
@@ -11,8 +12,9 @@ from fp8guard.service.auth.access import (
     IngestAccess,
     Principal,
     ReadAccess,
+    authorize,
     require,
 )
 
-__all__ = ["AUTH_RESPONSES", "SESSION_COOKIE", "AdminAccess", "Authenticator", "FollowAccess", "IngestAccess",
-           "Principal", "ReadAccess", "require"]
+__all__ = ["AUTH_RESPONSES", "OPENAPI_SECURITY", "SESSION_COOKIE", "AdminAccess", "Authenticator", "FollowAccess",
+           "IngestAccess", "Principal", "ReadAccess", "authorize", "require"]

@@ -41,6 +41,7 @@ from fp8guard.service.store import Store
 
 __all__ = [
     "AUTH_RESPONSES",
+    "OPENAPI_SECURITY",
     "SESSION_COOKIE",
     "AdminAccess",
     "Authenticator",
@@ -48,6 +49,7 @@ __all__ = [
     "IngestAccess",
     "Principal",
     "ReadAccess",
+    "authorize",
     "require",
 ]
 
@@ -221,13 +223,24 @@ async def cached_or_loaded(call: Callable[..., Any], *args: Any) -> Any:
         return await run_in_threadpool(call, *args)
 
 
+OPENAPI_SECURITY: list[dict[str, list[str]]] = [{_bearer.scheme_name: []}, {_cookie.scheme_name: []}]
+"""The credentials a gated route takes, as its access dependency documents them: for the OpenAPI
+of a route that takes no dependencies (``POST /v1/ingest``)."""
+
+
+async def authorize(request: Request, role: Role) -> Principal:
+    """The caller, if it has ``role`` (401 anonymous, 403 without the role): the check every
+    ``require(role)`` dependency makes, for a route that takes no dependencies to make itself."""
+    principal: Principal = await cached_or_loaded(authenticator(request).require, request, role)
+    return principal
+
+
 def require(role: Role) -> Callable[..., Any]:
-    """A dependency: the caller, if it has ``role`` (401 anonymous, 403 without the role)."""
+    """A dependency: ``authorize(request, role)``, its credentials documented in the OpenAPI."""
 
     async def dependency(request: Request, _b: Annotated[object, Security(_bearer)],
                          _c: Annotated[object, Security(_cookie)]) -> Principal:
-        principal: Principal = await cached_or_loaded(authenticator(request).require, request, role)
-        return principal
+        return await authorize(request, role)
 
     dependency.__name__ = f"require_{role}"
     return dependency

@@ -156,7 +156,9 @@ class Detector:
             idx = np.flatnonzero(hits[row] & ready[module_of])
             if idx.size == 0:
                 continue
-            fired = np.unique(module_of[idx])
+            # Not np.unique: numpy 2 imports numpy.ma on its first call, 30 ms of CPU (under the
+            # GIL) in the middle of a service's first decision.
+            fired = np.flatnonzero(np.bincount(module_of[idx], minlength=len(modules)))
             for k in fired.tolist():
                 self.last_fired[f"{rule}:{modules[k]}"] = int(at)
             last[fired] = at

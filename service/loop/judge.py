@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fp8guard import wire
 from fp8guard.service.alerts.config import AlertSettings
 from fp8guard.service.alerts.from_decisions import alert_rows
 from fp8guard.service.domain import Batch, Decision, Finding, QueuedBatch
@@ -40,6 +41,8 @@ class PassResult:
     """Commands issued (pending for the agent)."""
     more: bool
     """The pass stopped at its limit: more batches wait."""
+    pending: tuple[wire.Command, ...] = ()
+    """When the pass issued commands: the run's pending commands as its transaction committed them."""
 
 
 def tensor_metas(rows: Sequence[TensorRow]) -> list[TensorMeta]:
@@ -99,17 +102,19 @@ class Judge:
     def __call__(self, txn: LoopTxn, take: Callable[[int], Batch | None], *, limit: int | None = None) -> PassResult:
         """Judge up to ``limit`` queued batches of ``txn``'s run; ``take(queue_id)`` hands over a
         batch this process still holds in memory (else it is read back from the database)."""
-        queued = txn.queued(limit or self.batch_limit)
-        run_id, guard, n_tensors = txn.run_info()
+        start = txn.open(limit or self.batch_limit)  # the lock and the first reads: one round trip
+        queued, run_id = start.queued, start.run_id
         if not queued:
+            txn.finish([], [])
             return PassResult(run_id=run_id, judged=0, commands=0, more=False)
-        cfg = self._config(guard)
-        metas = self._tensor_metas(txn, n_tensors)
-        states = txn.detector_states({q.rank for q in queued})
+        cfg = self._config(start.guard)
+        metas = self._tensor_metas(txn, start.n_tensors)
+        states = start.states
         detectors: dict[int, Detector] = {}
         last_step: dict[int, int] = {}
-        unconfirmed = txn.unconfirmed_checkpoints(max(q.last_step for q in queued) - cfg.known_good_after_steps)
-        remediating = txn.has_remediation_state()
+        newest = max(q.last_step for q in queued) - cfg.known_good_after_steps
+        unconfirmed = [c for c in start.unconfirmed if c[2] <= newest]
+        remediating = start.remediating
         commands = 0
         modules = sorted({m.module for m in metas})
         for q in queued:
@@ -137,13 +142,16 @@ class Judge:
             unconfirmed = self._confirm_checkpoints(txn, unconfirmed, q.last_step, cfg)
         # The pass's decisions in one statement, then their alerts (in the order they were taken).
         txn.enqueue_alerts(alert_rows(self.alerts, run_id, txn.flush_actions(), txn.now))
+        saved = []
         for rank, detector in detectors.items():
             text = json.dumps(detector.state_dict(), allow_nan=False)
-            txn.save_detector_state(rank, text, last_step[rank])
+            saved.append((rank, text, last_step[rank], detector))
+        pending = txn.finish([(rank, text, step) for rank, text, step, _ in saved], [q.queue_id for q in queued],
+                             read_commands=commands > 0)
+        for rank, text, _, detector in saved:
             self._detectors.keep((txn.run_pk, rank), cfg, metas, text, detector)
-        txn.done([q.queue_id for q in queued])
         return PassResult(run_id=run_id, judged=len(queued), commands=commands,
-                          more=len(queued) == (limit or self.batch_limit))
+                          more=len(queued) == (limit or self.batch_limit), pending=tuple(pending))
 
     def _config(self, guard: dict[str, Any]) -> GuardConfig:
         """The run's guard, validated once per distinct set of overrides."""

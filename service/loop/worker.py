@@ -16,11 +16,15 @@ they were written; a run's decisions are taken one batch at a time.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
+
+from fp8guard import wire
 from fp8guard.service.domain import Batch
 from fp8guard.service.errors import StorageUnavailable
 from fp8guard.service.loop.judge import Judge, PassResult
@@ -29,6 +33,19 @@ from fp8guard.service.store import Store
 __all__ = ["LoopStats", "LoopWorker"]
 
 log = logging.getLogger(__name__)
+
+
+def _nonfinite(batch: Batch) -> bool:
+    """Whether the batch carries a non-finite loss, grad norm or amax: what the critical rules act
+    on at once (and what makes the agent's tripwire ship at once and long-poll for the answer)."""
+    for row in batch.steps:
+        for value in (row.loss, row.grad_norm):
+            if value is not None and not math.isfinite(value):
+                return True
+    for block in batch.blocks:
+        if "amax" in block.stats and not np.isfinite(block.values[:, block.stats.index("amax"), :]).all():
+            return True
+    return False
 
 
 class LoopStats:
@@ -47,7 +64,8 @@ class LoopStats:
 
 class LoopWorker:
     def __init__(self, store: Store, judge: Judge, *, threads: int = 2, sweep_interval_s: float = 1.0,
-                 max_held: int = 4096, on_commands: Callable[[str], None] | None = None) -> None:
+                 max_held: int = 4096,
+                 on_commands: Callable[[str, Sequence[wire.Command]], None] | None = None) -> None:
         if threads < 1:
             raise ValueError(f"the loop needs at least one thread, got {threads}")
         self.store = store
@@ -55,13 +73,17 @@ class LoopWorker:
         self.threads = threads
         self.sweep_interval_s = sweep_interval_s
         self.max_held = max_held
-        self.on_commands = on_commands or (lambda run_id: None)
+        self.on_commands = on_commands or (lambda run_id, pending: None)
+        """Called with a run and its pending commands after a pass issued commands."""
         self.stats = LoopStats()
         self._cv = threading.Condition()
         self._dirty: deque[int] = deque()
         self._queued: set[int] = set()
         self._busy: set[int] = set()
         self._again: set[int] = set()
+        self._urgent: set[int] = set()
+        """Dirty runs with a batch whose numbers went non-finite: judged before the others. With 50
+        runs sending at once, a NaN batch waited up to 45 ms behind fifteen healthy runs' passes."""
         self._held: OrderedDict[int, Batch] = OrderedDict()
         self._stop = False
         self._workers: list[threading.Thread] = []
@@ -69,21 +91,31 @@ class LoopWorker:
     # -- feeding -------------------------------------------------------------------------------
 
     def submit(self, run_pk: int, queue_id: int | None, batch: Batch | None) -> None:
-        """A batch of ``run_pk`` is durable (its queue row committed): judge it soon."""
+        """A batch of ``run_pk`` is durable (its queue row committed): judge it soon; first, before
+        runs with healthy batches, if it carries a non-finite loss, grad norm or amax."""
+        urgent = batch is not None and _nonfinite(batch)
         with self._cv:
             if queue_id is not None and batch is not None:
                 self._held[queue_id] = batch
                 while len(self._held) > self.max_held:
                     self._held.popitem(last=False)  # read back from the database when its turn comes
-            self._mark(run_pk)
+            self._mark(run_pk, urgent)
 
-    def _mark(self, run_pk: int) -> None:
+    def _mark(self, run_pk: int, urgent: bool = False) -> None:
+        if urgent:
+            self._urgent.add(run_pk)
         if run_pk in self._busy:
             self._again.add(run_pk)
         elif run_pk not in self._queued:
             self._queued.add(run_pk)
-            self._dirty.append(run_pk)
+            if run_pk in self._urgent:
+                self._dirty.appendleft(run_pk)
+            else:
+                self._dirty.append(run_pk)
             self._cv.notify()
+        elif urgent:
+            self._dirty.remove(run_pk)
+            self._dirty.appendleft(run_pk)
 
     def _take(self, queue_id: int) -> Batch | None:
         with self._cv:
@@ -132,6 +164,7 @@ class LoopWorker:
                     return
                 run_pk = self._dirty.popleft()
                 self._queued.discard(run_pk)
+                self._urgent.discard(run_pk)
                 self._busy.add(run_pk)
             self._judge(run_pk)
 
@@ -144,6 +177,7 @@ class LoopWorker:
                     return
                 run_pk = self._dirty.popleft()
                 self._queued.discard(run_pk)
+                self._urgent.discard(run_pk)
                 self._busy.add(run_pk)
             self._judge(run_pk)
 
@@ -201,7 +235,7 @@ class LoopWorker:
         self.stats.commands += result.commands
         self.stats.seconds += seconds
         if result.commands:
-            self.on_commands(result.run_id)
+            self.on_commands(result.run_id, result.pending)
 
     def _sweep(self) -> None:
         while True:

@@ -70,7 +70,11 @@ async def commands(
             if ticket is not None:
                 channel.release(run_id, ticket)
             return [CommandOut.of(c) for c in pending]
-        await channel.wait(run_id, ticket, min(left, settings.command_poll_interval_s))
+        if await channel.wait(run_id, ticket, min(left, settings.command_poll_interval_s)) and ticket.commands:
+            # The loop of this process committed them and read them in that transaction.
+            notified = [c for c in ticket.commands if c.id > after]
+            if notified:
+                return [CommandOut.of(c) for c in notified]
 
 
 @router.get("/{run_id}/precision", response_model=list[PrecisionOut], responses=_NOT_FOUND, dependencies=_READ,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -70,6 +70,9 @@ class _RunMetricsSource(Protocol):
 
     @property
     def engine(self) -> sa.Engine: ...
+
+    @property
+    def on_database_error(self) -> list[Callable[[BaseException], None]]: ...
 
     def run_metrics(self, max_runs: int) -> tuple[list[RunMetrics], int]: ...
 
@@ -142,15 +145,16 @@ class IngestMetrics:
         self.batches.labels("rejected").inc()
 
     def database_error(self, exc: BaseException) -> None:
-        if isinstance(exc, sa.exc.OperationalError):
-            kind = "operational"
-        elif isinstance(exc, sa.exc.IntegrityError):
-            kind = "integrity"
-        elif isinstance(exc, sa.exc.DataError):
-            kind = "data"
-        else:
-            kind = "other"
+        """Count a database error: SQLAlchemy's wrapper, or the driver's own (DB-API) exception
+        from the store's driver-level statements; both name their class after the DB-API's."""
+        if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
+            exc = exc.orig
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        kind = next((k for name, k in _ERROR_KINDS if name in names), "other")
         self.database_errors.labels(kind).inc()
+
+
+_ERROR_KINDS = (("OperationalError", "operational"), ("IntegrityError", "integrity"), ("DataError", "data"))
 
 
 class _HttpMetrics:
@@ -324,6 +328,7 @@ def install_metrics(app: FastAPI, store: _RunMetricsSource, *, max_runs: int = 1
         ingest.database_error(context.sqlalchemy_exception or context.original_exception)
 
     sa.event.listen(store.engine, "handle_error", on_db_error)
+    store.on_database_error.append(ingest.database_error)
     app.add_middleware(_HttpMetrics, requests=requests, duration=duration, ingest=ingest)
     app.state.metrics = ingest
     app.state.metrics_registry = registry

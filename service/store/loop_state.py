@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
+from fp8guard import wire
 from fp8guard.service.domain import Batch, Decision, EventRecord, Finding, QueuedBatch, StatBlock, StepRow
 from fp8guard.service.kinds import FP8_RULES, ActionKind, ActionStatus, Precision, Severity
-from fp8guard.service.store import sql
+from fp8guard.service.store import records, sql
 from fp8guard.service.store.models import (
-    SqlCheckpoint,
     SqlEvent,
     SqlFinding,
     SqlLoopQueue,
@@ -34,7 +34,7 @@ from fp8guard.service.store.models import (
 from fp8guard.service.store.outbox import OutboxRow, insert_rows
 from fp8guard.wire import STEP_FIELDS, EventKind
 
-__all__ = ["LOOP_LOCK_CLASS", "LoopTxn", "TensorRow", "ViewInputs"]
+__all__ = ["LOOP_LOCK_CLASS", "LoopTxn", "PassInputs", "TensorRow", "ViewInputs"]
 
 LOOP_LOCK_CLASS = 0x6C6F6F70
 """First key of the PostgreSQL advisory lock that serialises the loop of one run ('loop')."""
@@ -64,8 +64,8 @@ class ViewInputs:
     """The run's situation the policy weighs, read in the pass's transaction."""
 
     __slots__ = ("checkpoints", "known_good", "last_fp8_finding", "last_loss_event", "last_page", "pending_modules",
-                 "pinned",
-                 "precision", "recent_rollbacks", "rollback_pending", "whole_model_pending")
+                 "pinned", "precision", "recent_rollbacks", "rollback_pending", "segment_firsts", "stored_checkpoints",
+                 "whole_model_pending")
 
     def __init__(self) -> None:
         self.precision: dict[str, tuple[Precision, int]] = {}
@@ -84,38 +84,112 @@ class ViewInputs:
         self.last_loss_event: int | None = None
         """Onset of the latest finding of a rollback rule."""
         self.last_page: int | None = None
+        self.segment_firsts: dict[int, int] = {}
+        """Segment -> its first step (over ranks): what ``checkpoints`` is derived from, with ..."""
+        self.stored_checkpoints: dict[tuple[int, int, int], bool] = {}
+        """... every (rank, segment, step) checkpoint and whether it is known-good."""
+
+
+class PassInputs:
+    """What every pass reads first, in one round trip (``LoopTxn.open``)."""
+
+    __slots__ = ("guard", "n_tensors", "queued", "remediating", "run_id", "states", "unconfirmed")
+
+    def __init__(self, queued: list[QueuedBatch], run_id: str, guard: dict[str, Any], n_tensors: int,
+                 states: dict[int, str], unconfirmed: list[tuple[int, int, int]], remediating: bool) -> None:
+        self.queued = queued
+        """The run's queued batches, oldest first (at most the pass's limit)."""
+        self.run_id, self.guard, self.n_tensors = run_id, guard, n_tensors
+        self.states = states
+        """Each rank's stored detector state (JSON text), for the ranks of ``queued``."""
+        self.unconfirmed = unconfirmed
+        """(rank, segment, step) of checkpoints not yet known-good, at or before the newest queued step."""
+        self.remediating = remediating
+        """Whether any module is (or is being switched) off FP8."""
 
 
 class LoopTxn:
-    """The loop's reads and writes for one run, inside one transaction (made by ``Store.loop_pass``)."""
+    """The loop's reads and writes for one run, inside one transaction (made by ``Store.loop_pass``).
+
+    The run's loop lock is taken before the first statement of the transaction: with the pass's
+    first reads (``open``, one round trip on PostgreSQL), or on its own when something else
+    comes first."""
 
     def __init__(self, conn: sa.Connection, run_pk: int, now: datetime) -> None:
-        self.conn = conn
+        self._conn = conn
         self.run_pk = run_pk
         self.now = now
+        self._locked = False
         self._view: ViewInputs | None = None
         """The run's situation, read once per pass and kept up to date by this pass's own writes."""
         self._rollback_rules: frozenset[str] = frozenset()
         self._actions: list[tuple[Decision, ActionStatus, tuple[int, ...], int]] = []
         """Decisions recorded in this pass, written in one statement by ``flush_actions``."""
 
+    @property
+    def conn(self) -> sa.Connection:
+        """The pass's connection, under the run's loop lock."""
+        if not self._locked:
+            self.lock()
+        return self._conn
+
     # -- locking and the queue ------------------------------------------------------------------
 
     def lock(self) -> None:
         """Take the run's loop lock until the transaction ends."""
-        if self.conn.dialect.name == "postgresql":
+        if not self._locked:
+            with sql.pipeline(self._conn):
+                self._send_lock()
+
+    def _send_lock(self) -> None:
+        if self._conn.dialect.name == "postgresql":
             # No WAL flush wait at commit: a pass lost in a crash leaves its queue rows, so its batches
             # are judged again (findings and the queue's deletion commit or vanish together).
-            sql.run(self.conn, "SET LOCAL synchronous_commit TO OFF")
-            sql.run(self.conn, "SELECT pg_advisory_xact_lock(?, ?)", (LOOP_LOCK_CLASS, self.run_pk))
+            sql.run(self._conn, "SET LOCAL synchronous_commit TO OFF")
+            sql.run(self._conn, "SELECT pg_advisory_xact_lock(?, ?)", (LOOP_LOCK_CLASS, self.run_pk))
         else:  # a write first: SQLite's one write lock, held to commit, orders passes of every process
-            sql.run(self.conn, "DELETE FROM loop_queue WHERE 0")
+            sql.run(self._conn, "DELETE FROM loop_queue WHERE 0")
+        self._locked = True
+
+    def open(self, limit: int) -> PassInputs:
+        """Take the lock and read the pass's inputs, all in one round trip on PostgreSQL: the
+        queue, the run, the detector states, unconfirmed checkpoints and whether anything is off
+        FP8. (Each read is a superset of what the queue will call for, trimmed here.)"""
+        conn, pk = self._conn, self.run_pk
+        with sql.pipeline(conn):
+            if not self._locked:
+                self._send_lock()
+            queued = sql.fetch_later(conn, _QUEUED, (pk, limit))
+            run = sql.fetch_later(conn, _RUN_INFO, (pk,))
+            cast = "state::text" if conn.dialect.name == "postgresql" else "state"
+            states = sql.fetch_later(conn, f"SELECT rank, {cast} FROM detector_states WHERE run_pk = ?", (pk,))
+            checkpoints = sql.fetch_later(conn, _UNCONFIRMED, (pk,))
+            remediating = sql.fetch_later(conn, _REMEDIATING, self._remediating_args())
+        batches = _queued(queued.rows())
+        ranks = {q.rank for q in batches}
+        newest = max((q.last_step for q in batches), default=0)
+        run_id, guard, n_tensors = _run_info(conn, run.rows())
+        return PassInputs(
+            queued=batches, run_id=run_id, guard=guard, n_tensors=n_tensors,
+            states={int(r): str(t) for r, t in states.rows() if r in ranks},
+            unconfirmed=[(int(r), int(g), int(st)) for r, g, st in checkpoints.rows() if st <= newest],
+            remediating=bool(remediating.rows()[0][0]))
+
+    def finish(self, states: Sequence[tuple[int, str, int]], queue_ids: Sequence[int], *,
+               read_commands: bool = False) -> list[wire.Command]:
+        """The pass's last writes: each rank's detector state ``(rank, JSON text, last step)`` and
+        the judged queue rows' deletion; on PostgreSQL the transaction commits with them, in one
+        round trip. Nothing may be written after. ``read_commands``: also return the run's pending
+        commands as this transaction sees them (read in the same round trip)."""
+        with sql.pipeline(self.conn, commit=True):
+            for rank, text, last_step in states:
+                self.save_detector_state(rank, text, last_step)
+            self.done(queue_ids)
+            commands = records.pending_commands_later(self._conn, self.run_pk) if read_commands else None
+        return [] if commands is None else commands()
 
     def queued(self, limit: int) -> list[QueuedBatch]:
-        rows = sql.fetch_all(self.conn, "SELECT id, rank, segment, first_step, last_step FROM loop_queue "
-                                        "WHERE run_pk = ? ORDER BY id LIMIT ?", (self.run_pk, limit))
-        return [QueuedBatch(queue_id=int(r[0]), rank=int(r[1]), segment=int(r[2]), first_step=int(r[3]),
-                            last_step=int(r[4])) for r in rows]
+        return _queued(sql.fetch_all(self.conn, _QUEUED, (self.run_pk, limit)))
 
     def done(self, queue_ids: Sequence[int]) -> None:
         if queue_ids:
@@ -169,26 +243,11 @@ class LoopTxn:
 
     # -- the run -----------------------------------------------------------------------------
 
-    def run_info(self) -> tuple[str, dict[str, Any], int]:
-        """The run's id, guard overrides and number of tensors."""
-        row = sql.fetch_one(self.conn, "SELECT run_id, guard, (SELECT count(*) FROM tensors WHERE run_pk = runs.id) "
-                                       "FROM runs WHERE id = ?", (self.run_pk,))
-        assert row is not None
-        return str(row[0]), dict(sql.json_value(self.conn, row[1]) or {}), int(row[2])
-
     def tensors(self) -> list[TensorRow]:
         return [TensorRow(*r) for r in sql.fetch_all(
             self.conn, "SELECT name, module, role, fp8_format FROM tensors WHERE run_pk = ? ORDER BY idx", (self.run_pk,))]
 
     # -- detector state ------------------------------------------------------------------------
-
-    def detector_states(self, ranks: Iterable[int]) -> dict[int, str]:
-        """Each rank's detector state as the JSON text stored (the loop compares it with the state
-        it keeps in memory before parsing it)."""
-        wanted = set(ranks)
-        cast = "state::text" if self.conn.dialect.name == "postgresql" else "state"
-        return {int(r[0]): str(r[1]) for r in sql.fetch_all(
-            self.conn, f"SELECT rank, {cast} FROM detector_states WHERE run_pk = ?", (self.run_pk,)) if r[0] in wanted}
 
     def save_detector_state(self, rank: int, state: str, last_step: int) -> None:
         """``state``: JSON text, stored verbatim (a json column, not jsonb: read back as written)."""
@@ -209,21 +268,9 @@ class LoopTxn:
                  json.dumps(list(f.modules)), json.dumps(f.evidence), now) for f in findings]
         ids = sql.insert_returning_ids(self.conn, "findings", _FINDING_COLUMNS, rows)
         if self._view is not None:
-            v = self._view
             for f in findings:
-                if str(f.rule) in self._rollback_rules:
-                    v.last_loss_event = f.onset_step if v.last_loss_event is None else max(v.last_loss_event,
-                                                                                           f.onset_step)
-                if f.rule in FP8_RULES:
-                    for m in f.modules:
-                        v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), f.step)
+                _fold_finding(self._view, self._rollback_rules, str(f.rule), f.onset_step, f.step, f.modules)
         return ids
-
-    def unconfirmed_checkpoints(self, up_to_step: int) -> list[tuple[int, int, int]]:
-        """(rank, segment, step) of checkpoints not yet known-good, saved at or before ``up_to_step``."""
-        return [(int(r), int(g), int(s)) for r, g, s in sql.fetch_all(
-            self.conn, "SELECT rank, segment, step FROM checkpoints WHERE run_pk = ? AND NOT known_good AND step <= ?",
-            (self.run_pk, up_to_step))]
 
     def troubled_between(self, first: int, last: int, *, seen_by: int) -> bool:
         """Whether a warning or critical finding made by step ``seen_by`` has its onset in [first, last]."""
@@ -232,92 +279,68 @@ class LoopTxn:
             SqlFinding.onset_step.between(first, last), SqlFinding.step <= seen_by)))
 
     def mark_known_good(self, checkpoints: Sequence[tuple[int, int, int]]) -> None:
-        ck = SqlCheckpoint
-        for rank, segment, step in checkpoints:
-            self.conn.execute(sa.update(ck).where(ck.run_pk == self.run_pk, ck.rank == rank, ck.segment == segment,
-                                                  ck.step == step).values(known_good=True))
+        """Mark (rank, segment, step) checkpoints known-good (the run's situation follows)."""
+        sql.run_many(self.conn, "UPDATE checkpoints SET known_good = ? WHERE run_pk = ? AND rank = ? AND segment = ? "
+                                "AND step = ?", [(True, self.run_pk, *c) for c in checkpoints])
         if checkpoints and self._view is not None:
-            self._view.checkpoints, self._view.known_good = self._timeline_checkpoints()
+            self._view.stored_checkpoints.update(dict.fromkeys(checkpoints, True))
+            self._view.checkpoints, self._view.known_good = _timeline(self._view)
 
-    def has_remediation_state(self) -> bool:
-        """Whether any module is (or is being switched) off FP8: promotions need a look then."""
-        row = sql.fetch_one(
-            self.conn, "SELECT EXISTS (SELECT 1 FROM layer_precision WHERE run_pk = ? AND precision <> ?) OR "
-                       "EXISTS (SELECT 1 FROM actions WHERE run_pk = ? AND status = ? AND kind IN (?, ?))",
-            (self.run_pk, str(Precision.FP8), self.run_pk, str(ActionStatus.PENDING), *map(str, _SWITCHES)))
-        return bool(row and row[0])
+    def _remediating_args(self) -> tuple[Any, ...]:
+        return (self.run_pk, str(Precision.FP8), self.run_pk, str(ActionStatus.PENDING), *map(str, _SWITCHES))
 
     def view_inputs(self, rollback_rules: Iterable[str]) -> ViewInputs:
         """The run's situation, read once per pass (the policy asks at every decision point: a batch
-        of random data has one at nearly every step) and then kept up to date in memory by this
-        pass's own writes (``add_findings``, ``add_action``, ``mark_known_good``), so every
-        decision sees the earlier decisions of its pass. The caller must not change it."""
+        of random data has one at nearly every step; one round trip on PostgreSQL) and then kept up
+        to date in memory by this pass's own writes (``add_findings``, ``add_action``,
+        ``mark_known_good``), so every decision sees the earlier decisions of its pass. Stored rows
+        and the pass's own records go through the same rules (``_fold_action``, ``_fold_finding``,
+        ``_timeline``): the SQL only narrows the rows read. One set of rollback rules per pass.
+        The caller must not change the view."""
         rules = frozenset(str(r) for r in rollback_rules)
-        if self._view is None or rules != self._rollback_rules:
+        if self._view is None:
             self._view, self._rollback_rules = self._read_view(rules), rules
-            for decision, status, _, step in self._actions:  # recorded, not written yet
-                _apply_action(self._view, decision, status, step)
+            for decision, status, _, step in self._actions:  # recorded before the read, not written yet
+                _fold_action(self._view, decision.kind, status, step, decision.modules)
+        elif rules != self._rollback_rules:
+            raise ValueError("a pass judges with one set of rollback rules")
         return self._view
 
-    def _read_view(self, rollback_rules: Iterable[str]) -> ViewInputs:
+    def _read_view(self, rollback_rules: frozenset[str]) -> ViewInputs:
         v = ViewInputs()
         conn, pk = self.conn, self.run_pk
-        for module, precision, since in sql.fetch_all(
-                conn, "SELECT module, precision, since_step FROM layer_precision WHERE run_pk = ?", (pk,)):
-            v.precision[str(module)] = (Precision(precision), int(since))
+        rules = sorted(rollback_rules | {str(r) for r in FP8_RULES})
+        with sql.pipeline(conn):
+            precision = sql.fetch_later(conn, "SELECT module, precision, since_step FROM layer_precision "
+                                              "WHERE run_pk = ?", (pk,))
+            actions = sql.fetch_later(conn, f"SELECT kind, status, step, payload FROM actions WHERE run_pk = ? "
+                                            f"AND kind IN ({', '.join('?' * len(_VIEW_ACTIONS))})",
+                                      (pk, *map(str, _VIEW_ACTIONS)))
+            findings = sql.fetch_later(conn, f"SELECT rule, onset_step, step, modules FROM findings WHERE run_pk = ? "
+                                             f"AND rule IN ({', '.join('?' * len(rules))})", (pk, *rules))
+            segments = sql.fetch_later(conn, "SELECT segment, min(first_step) FROM segments WHERE run_pk = ? "
+                                             "GROUP BY segment", (pk,))
+            checkpoints = sql.fetch_later(conn, "SELECT rank, segment, step, known_good FROM checkpoints "
+                                                "WHERE run_pk = ?", (pk,))
+        for module, p, since in precision.rows():
+            v.precision[str(module)] = (Precision(p), int(since))
         v.pinned = frozenset(m for m, (p, _) in v.precision.items() if p is Precision.PINNED)
-        kinds = [str(k) for k in (*_SWITCHES, ActionKind.ROLLBACK)]
-        for kind_text, status, step, payload in sql.fetch_all(
-                conn, "SELECT kind, status, step, payload FROM actions WHERE run_pk = ? AND kind IN (?, ?, ?) "
-                      "AND status IN (?, ?)", (pk, *kinds, str(ActionStatus.PENDING), str(ActionStatus.APPLIED))):
-            kind = ActionKind(kind_text)
-            if kind is ActionKind.ROLLBACK:
-                v.recent_rollbacks.append(int(step))
-                v.rollback_pending |= status == ActionStatus.PENDING
-            elif status == ActionStatus.PENDING:
-                modules = (sql.json_value(conn, payload) or {}).get("modules")
-                if modules is None:
-                    v.whole_model_pending |= kind is ActionKind.FALLBACK
-                else:
-                    v.pending_modules.update({str(m): kind for m in modules})
-        v.checkpoints, v.known_good = self._timeline_checkpoints()
-        row = sql.fetch_one(conn, "SELECT max(step) FROM actions WHERE run_pk = ? AND kind = ?",
-                            (pk, str(ActionKind.PAGE)))
-        v.last_page = None if row is None or row[0] is None else int(row[0])
-        rules = [str(r) for r in rollback_rules]
-        if rules:
-            row = sql.fetch_one(conn, f"SELECT max(onset_step) FROM findings WHERE run_pk = ? "
-                                      f"AND rule IN ({', '.join('?' * len(rules))})", (pk, *rules))
-            v.last_loss_event = None if row is None or row[0] is None else int(row[0])
-        fp8 = [str(r) for r in FP8_RULES]
-        for modules, fstep in sql.fetch_all(conn, f"SELECT modules, step FROM findings WHERE run_pk = ? "
-                                                  f"AND rule IN ({', '.join('?' * len(fp8))})", (pk, *fp8)):
-            for m in sql.json_value(conn, modules) or []:
-                v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), int(fstep))
+        for kind, status, step, payload in actions.rows():
+            modules = (sql.json_value(conn, payload) or {}).get("modules")
+            _fold_action(v, ActionKind(kind), ActionStatus(status), int(step), modules)
+        for rule, onset, step, modules in findings.rows():
+            _fold_finding(v, rollback_rules, str(rule), int(onset), int(step), sql.json_value(conn, modules) or ())
+        v.segment_firsts = {int(g): int(f) for g, f in segments.rows()}
+        v.stored_checkpoints = {(int(r), int(g), int(st)): bool(good) for r, g, st, good in checkpoints.rows()}
+        v.checkpoints, v.known_good = _timeline(v)
         return v
-
-    def _timeline_checkpoints(self) -> tuple[list[int], list[int]]:
-        """Checkpoints still on the current timeline (all, known-good): a checkpoint of segment k at
-        a step that a later segment re-ran was abandoned by the rollback that started that segment."""
-        firsts = {int(s): int(f) for s, f in sql.fetch_all(
-            self.conn, "SELECT segment, min(first_step) FROM segments WHERE run_pk = ? GROUP BY segment",
-            (self.run_pk,))}
-        every, good = set(), set()
-        for seg, step, known_good in sql.fetch_all(
-                self.conn, "SELECT segment, step, known_good FROM checkpoints WHERE run_pk = ?", (self.run_pk,)):
-            later = [f for s, f in firsts.items() if s > seg]
-            if not later or step < min(later):
-                every.add(int(step))
-                if known_good:
-                    good.add(int(step))
-        return sorted(every), sorted(good)
 
     def add_action(self, decision: Decision, status: ActionStatus, finding_ids: Sequence[int], step: int) -> None:
         """Record a decision: the run's situation (``view_inputs``) includes it at once; its row is
         written with the pass's others by ``flush_actions``."""
         self._actions.append((decision, status, tuple(finding_ids), step))
         if self._view is not None:
-            _apply_action(self._view, decision, status, step)
+            _fold_action(self._view, decision.kind, status, step, decision.modules)
 
     def flush_actions(self) -> list[tuple[int, Decision, int]]:
         """Write the decisions recorded since the last flush (multi-row statements); returns
@@ -335,16 +358,66 @@ class LoopTxn:
         return insert_rows(self.conn, rows, run_pk=self.run_pk)
 
 
-def _apply_action(v: ViewInputs, decision: Decision, status: ActionStatus, step: int) -> None:
-    """``v`` as it reads once the action row of ``decision`` is stored (what ``_read_view`` reads)."""
-    kind = decision.kind
+_QUEUED = "SELECT id, rank, segment, first_step, last_step FROM loop_queue WHERE run_pk = ? ORDER BY id LIMIT ?"
+_RUN_INFO = "SELECT run_id, guard, (SELECT count(*) FROM tensors WHERE run_pk = runs.id) FROM runs WHERE id = ?"
+_UNCONFIRMED = "SELECT rank, segment, step FROM checkpoints WHERE run_pk = ? AND NOT known_good"
+_REMEDIATING = ("SELECT EXISTS (SELECT 1 FROM layer_precision WHERE run_pk = ? AND precision <> ?) OR "
+                "EXISTS (SELECT 1 FROM actions WHERE run_pk = ? AND status = ? AND kind IN (?, ?))")
+
+
+def _queued(rows: list[tuple[Any, ...]]) -> list[QueuedBatch]:
+    return [QueuedBatch(queue_id=int(r[0]), rank=int(r[1]), segment=int(r[2]), first_step=int(r[3]),
+                        last_step=int(r[4])) for r in rows]
+
+
+def _run_info(conn: sa.Connection, rows: list[tuple[Any, ...]]) -> tuple[str, dict[str, Any], int]:
+    assert rows, "the run of a loop pass exists (runs are never deleted while queued)"
+    run_id, guard, n_tensors = rows[0]
+    return str(run_id), dict(sql.json_value(conn, guard) or {}), int(n_tensors)
+
+
+_VIEW_ACTIONS = (ActionKind.FALLBACK, ActionKind.PROMOTE, ActionKind.ROLLBACK, ActionKind.PAGE)
+"""The action kinds the run's situation is made of (``_fold_action``)."""
+
+
+def _fold_action(v: ViewInputs, kind: ActionKind, status: ActionStatus, step: int,
+                 modules: Iterable[str] | None) -> None:
+    """Add one action, stored or just decided, to the run's situation: the latest page; rollbacks
+    pending or applied; switches (``modules`` None: the whole model) the agent has not answered."""
     if kind is ActionKind.PAGE:
         v.last_page = step if v.last_page is None else max(v.last_page, step)
     elif kind is ActionKind.ROLLBACK and status in (ActionStatus.PENDING, ActionStatus.APPLIED):
         v.recent_rollbacks.append(step)
         v.rollback_pending |= status is ActionStatus.PENDING
     elif kind in _SWITCHES and status is ActionStatus.PENDING:
-        if decision.modules is None:
+        if modules is None:
             v.whole_model_pending |= kind is ActionKind.FALLBACK
         else:
-            v.pending_modules.update({str(m): kind for m in decision.modules})
+            v.pending_modules.update({str(m): kind for m in modules})
+
+
+def _fold_finding(v: ViewInputs, rollback_rules: frozenset[str], rule: str, onset: int, step: int,
+                  modules: Iterable[str]) -> None:
+    """Add one finding to the run's situation: the onset of the latest rollback-rule finding, and
+    the latest FP8 finding per module."""
+    if rule in rollback_rules:
+        v.last_loss_event = onset if v.last_loss_event is None else max(v.last_loss_event, onset)
+    if rule in _FP8_RULE_NAMES:
+        for m in modules:
+            v.last_fp8_finding[m] = max(v.last_fp8_finding.get(m, 0), step)
+
+
+_FP8_RULE_NAMES = frozenset(str(r) for r in FP8_RULES)
+
+
+def _timeline(v: ViewInputs) -> tuple[list[int], list[int]]:
+    """Checkpoint steps still on the current timeline (all, known-good): a checkpoint of segment k at
+    a step that a later segment re-ran was abandoned by the rollback that started that segment."""
+    every, good = set(), set()
+    for (_, seg, step), known_good in v.stored_checkpoints.items():
+        later = [f for g, f in v.segment_firsts.items() if g > seg]
+        if not later or step < min(later):
+            every.add(step)
+            if known_good:
+                good.add(step)
+    return sorted(every), sorted(good)

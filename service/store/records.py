@@ -4,6 +4,7 @@ of the per-run figures ``/metrics`` exports, as typed domain values."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from fp8guard.service.store.models import (
 )
 
 __all__ = ["RunMetrics", "action_list", "active_run_metrics", "checkpoint_list", "finding_list", "pending_commands",
-           "precision_list"]
+           "pending_commands_later", "precision_list"]
 
 _SATURATION_STAT = "saturation"
 _UNDERFLOW_STAT = "underflows"
@@ -59,9 +60,15 @@ _PENDING_SQL = (f"SELECT id, kind, reason, payload FROM actions WHERE run_pk = ?
 
 def pending_commands(conn: sa.Connection, pk: int) -> list[wire.Command]:
     """Commands the agent has not answered yet, oldest first (every ingest answer carries them)."""
-    return [wire.Command.from_json({**(sql.json_value(conn, payload) or {}), "id": int(cid), "kind": kind,
-                                    "reason": reason})
-            for cid, kind, reason, payload in sql.fetch_all(conn, _PENDING_SQL, (pk,))]
+    return pending_commands_later(conn, pk)()
+
+
+def pending_commands_later(conn: sa.Connection, pk: int) -> Callable[[], list[wire.Command]]:
+    """``pending_commands``, read now and parsed when called (in a pipeline: once answered)."""
+    later = sql.fetch_later(conn, _PENDING_SQL, (pk,))
+    return lambda: [wire.Command.from_json({**(sql.json_value(conn, payload) or {}), "id": int(cid), "kind": kind,
+                                            "reason": reason})
+                    for cid, kind, reason, payload in later.rows()]
 
 
 def precision_list(conn: sa.Connection, pk: int) -> list[PrecisionRecord]:

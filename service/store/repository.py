@@ -4,7 +4,6 @@ detection and policy live in ``service/loop``, which reads and writes through ``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -37,7 +36,7 @@ from fp8guard.service.domain import (
 )
 from fp8guard.service.errors import Conflict, InvalidPayload, ServiceError, StorageUnavailable
 from fp8guard.service.kinds import Role
-from fp8guard.service.store import records
+from fp8guard.service.store import records, sql
 from fp8guard.service.store import series_reader as reader
 from fp8guard.service.store import telemetry_writer as writer
 from fp8guard.service.store import tokens as token_rows
@@ -49,6 +48,9 @@ from fp8guard.service.store.series_reader import Window
 __all__ = ["Store", "Window"]
 
 T = TypeVar("T")
+
+WRITE_LOCK_TIMEOUT_S = 10.0
+"""How long a SQLite write waits for this process's write lock (SQLite's own ``busy_timeout``)."""
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +65,15 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cache = writer.WriteCache()
-        self._writing: contextlib.AbstractContextManager[Any] = threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext()
+        self.on_database_error: list[Callable[[BaseException], None]] = []
+        """Called with each driver (DB-API) error a transaction of this store raised (the metrics)."""
+        self._write_lock: threading.Lock | None = threading.Lock() if engine.dialect.name == "sqlite" else None
         """SQLite has one write lock per database, and a connection that finds it taken sleeps and
         retries (1, 2, 5, ... up to 100 ms between tries): the ingest writer and the loop threads
-        missed each other's commits by tens of milliseconds, hundreds under load. They queue on
-        this lock instead, handed over at once; other processes still wait on SQLite's."""
+        missed each other's commits by tens of milliseconds, hundreds under load. Every write
+        transaction of this store queues on this lock instead, handed over at once, and gives up
+        after ``WRITE_LOCK_TIMEOUT_S`` as SQLite's own busy timeout would; other processes (and the
+        alert dispatcher, which writes through the engine) still wait on SQLite's."""
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -84,8 +90,18 @@ class Store:
         self.engine.dispose()
 
     @contextmanager
-    def _session(self) -> Iterator[Session]:
-        """Commit on success, roll back on failure, and translate database errors once, here."""
+    def _session(self, *, write: bool = False) -> Iterator[Session]:
+        """Commit on success, roll back on failure, and translate database errors once, here.
+        ``write``: a transaction that writes (on SQLite it first takes the process's write lock)."""
+        if write and self._write_lock is not None:
+            if not self._write_lock.acquire(timeout=WRITE_LOCK_TIMEOUT_S):
+                raise StorageUnavailable(f"the database stayed busy for {WRITE_LOCK_TIMEOUT_S:g} s; retry later")
+            try:
+                with self._session() as s:
+                    yield s
+            finally:
+                self._write_lock.release()
+            return
         session = Session(self.engine, expire_on_commit=False)
         try:
             yield session
@@ -104,12 +120,15 @@ class Store:
             session.rollback()
             raise InvalidPayload(f"a value does not fit the database: {exc.orig}") from exc
         except Exception as exc:
-            # The COPY and executemany paths use the driver's cursor directly: its (DB-API) errors
-            # are translated here too.
+            # Statements of ``store/sql.py`` run on the driver's cursor: its (DB-API) errors are
+            # translated here too, and reported to ``on_database_error`` (SQLAlchemy's own errors
+            # reach its ``handle_error`` listeners).
             session.rollback()
             dbapi = self.engine.dialect.dbapi
             if dbapi is None or not isinstance(exc, dbapi.Error):
                 raise
+            for hook in self.on_database_error:
+                hook(exc)
             if isinstance(exc, dbapi.IntegrityError):
                 raise Conflict(f"the data conflicts with what is stored: {exc}") from exc
             if isinstance(exc, dbapi.DataError):
@@ -128,7 +147,7 @@ class Store:
         A guard set or changed here is recorded as a ``guard_changed`` event naming ``actor``,
         in the same transaction; a resume without a guard keeps the stored one."""
         now = datetime.now(UTC)
-        with self._session() as s:
+        with self._session(write=True) as s:
             conn = s.connection()
             created_pk = conn.execute(
                 writer.upsert_insert(conn)(SqlRun)
@@ -156,7 +175,7 @@ class Store:
     def set_guard(self, run_id: str, guard: dict[str, Any], actor: str) -> dict[str, Any] | None:
         """Replace the run's guard overrides (audited as ``guard_changed``); returns the old ones."""
         now = datetime.now(UTC)
-        with self._session() as s:
+        with self._session(write=True) as s:
             conn = s.connection()
             pk = reader.run_pk(conn, run_id)
             old: dict[str, Any] | None = conn.scalar(sa.select(SqlRun.guard).where(SqlRun.id == pk))
@@ -169,7 +188,7 @@ class Store:
 
     def create_token(self, *, name: str, role: Role, run_prefix: str | None, secret_hash: str,
                      hint: str) -> TokenRecord:
-        with self._session() as s:
+        with self._session(write=True) as s:
             return token_rows.insert_token(s, name=name, role=role, run_prefix=run_prefix, secret_hash=secret_hash,
                                        hint=hint, now=datetime.now(UTC))
 
@@ -178,7 +197,7 @@ class Store:
             return token_rows.token_list(s, include_revoked=include_revoked)
 
     def revoke_token(self, name: str) -> TokenRecord:
-        with self._session() as s:
+        with self._session(write=True) as s:
             return token_rows.revoke_token(s, name, datetime.now(UTC))
 
     def token_by_hash(self, secret_hash: str) -> TokenRecord | None:
@@ -186,7 +205,7 @@ class Store:
             return token_rows.token_by_hash(s.connection(), secret_hash)
 
     def open_session(self, secret_hash: str, token_id: int, expires_at: datetime) -> None:
-        with self._session() as s:
+        with self._session(write=True) as s:
             token_rows.insert_session(s, secret_hash=secret_hash, token_id=token_id, now=datetime.now(UTC),
                                   expires_at=expires_at)
 
@@ -195,7 +214,7 @@ class Store:
             return token_rows.session_token(s.connection(), secret_hash, datetime.now(UTC))
 
     def close_session(self, secret_hash: str) -> None:
-        with self._session() as s:
+        with self._session(write=True) as s:
             token_rows.delete_session(s, secret_hash)
 
     def run_owner(self, run_id: str) -> tuple[bool, int | None]:
@@ -213,35 +232,50 @@ class Store:
     def ingest_many(self, batches: Sequence[Batch]) -> list[IngestResult | ServiceError]:
         """Group commit: store every batch in one transaction, each answered with the run's
         pending commands. If the group fails, each batch is retried in a transaction of its
-        own, so one bad batch is refused alone and the others are stored."""
+        own, so one bad batch is refused alone and the others are stored.
+
+        On PostgreSQL the transaction is one pipeline: a batch waits for the server only to learn
+        whether it is new and to lock its rank, and its writes, its answer's reads and the COMMIT
+        go out together (a small batch: 4 round trips instead of 16)."""
         now = datetime.now(UTC)
         # One lock order for every process: ranks are locked in (run, rank) order, never crosswise.
         order = sorted(range(len(batches)), key=lambda i: (batches[i].run_id, batches[i].rank))
         if len(batches) > 1:
             txn = self._cache.begin()
             try:
-                with self._writing, self._session() as s:
-                    conn = s.connection()
-                    results = {i: self._write(conn, batches[i], now, txn) for i in order}
+                results = self._store_group([batches[i] for i in order], now, txn)
                 self._cache.publish(txn)
-                return [results[i] for i in range(len(batches))]
+                by_index = dict(zip(order, results, strict=True))
+                return [by_index[i] for i in range(len(batches))]
             except ServiceError:
                 pass  # nothing of the failed transaction is published; retry batch by batch
         out: list[IngestResult | ServiceError] = []
         for batch in batches:
             txn = self._cache.begin()
             try:
-                with self._writing, self._session() as s:
-                    result = self._write(s.connection(), batch, now, txn)
+                out += self._store_group([batch], now, txn)
                 self._cache.publish(txn)
-                out.append(result)
             except ServiceError as exc:
                 out.append(exc)
         return out
 
-    def _write(self, conn: sa.Connection, batch: Batch, now: datetime, txn: writer.CacheTxn) -> IngestResult:
-        result, run_pk = writer.ingest_batch(conn, batch, now, txn)
-        return dataclasses.replace(result, commands=records.pending_commands(conn, run_pk))
+    def _store_group(self, batches: Sequence[Batch], now: datetime, txn: writer.CacheTxn) -> list[IngestResult]:
+        """Write ``batches`` in one transaction and commit; their results once committed."""
+        with self._session(write=True) as s:
+            conn = s.connection()
+            with sql.pipeline(conn, commit=True):
+                stored = [self._write(conn, batch, now, txn) for batch in batches]
+        return [done() for done in stored]
+
+    def _write(self, conn: sa.Connection, batch: Batch, now: datetime,
+               txn: writer.CacheTxn) -> Callable[[], IngestResult]:
+        result, run_pk, queue_row = writer.ingest_batch(conn, batch, now, txn)
+        commands = records.pending_commands_later(conn, run_pk)
+
+        def done() -> IngestResult:
+            queue_id = None if queue_row is None else int(queue_row.rows()[0][0])
+            return dataclasses.replace(result, queue_id=queue_id, commands=commands())
+        return done
 
     def run_pk(self, run_id: str) -> int:
         """The run's primary key (404 for an unknown run); cached once known."""
@@ -254,11 +288,10 @@ class Store:
     # -- the closed loop ----------------------------------------------------------------------
 
     def loop_pass(self, run_pk: int, judge: Callable[[LoopTxn], T]) -> T:
-        """Run ``judge`` on the run's loop state in one transaction, under the run's loop lock."""
-        with self._writing, self._session() as s:
-            txn = LoopTxn(s.connection(), run_pk, datetime.now(UTC))
-            txn.lock()
-            return judge(txn)
+        """Run ``judge`` on the run's loop state in one transaction, under the run's loop lock
+        (``LoopTxn`` takes it before the transaction's first statement)."""
+        with self._session(write=True) as s:
+            return judge(LoopTxn(s.connection(), run_pk, datetime.now(UTC)))
 
     def queued_runs(self, limit: int = 1000) -> list[int]:
         """Runs with stored batches the loop has not judged (a crash's or another process's)."""
@@ -267,14 +300,14 @@ class Store:
 
     def drop_queued(self, queue_ids: Sequence[int]) -> None:
         """Give up on queued batches the loop cannot judge (logged by the caller)."""
-        with self._writing, self._session() as s:
+        with self._session(write=True) as s:
             s.execute(sa.delete(SqlLoopQueue).where(SqlLoopQueue.id.in_(list(queue_ids))))
 
     # -- reads ----------------------------------------------------------------------------
 
     def runs(self, *, status: str | None = None, search: str | None = None, limit: int = 100,
              offset: int = 0) -> list[RunSummary]:
-        with self._session() as s:
+        with self._session(write=True) as s:
             return reader.run_summaries(s, status=status, search=search, limit=limit, offset=offset)
 
     def run(self, run_id: str) -> RunDetail:

@@ -44,13 +44,20 @@ class RollupTail:
 
 def upsert_rows(conn: sa.Connection, rows: list[tuple[Any, ...]]) -> None:
     """Insert or replace ``tensor_series`` rows (roll-ups; raw rows have their own COPY path)."""
+    if not rows:
+        return
     if conn.dialect.name == "postgresql":
-        sql.run_many(
-            conn,
-            f"INSERT INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?) "
-            "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
-            rows,
-        )
+        # One statement, the rows as binary arrays: in a pipeline every statement costs a send, and
+        # ``executemany`` sends one per row. The rows' keys are distinct (one row per stat, level
+        # and block), as ON CONFLICT DO UPDATE requires of one statement.
+        keys = {r[:3] for r in rows}
+        assert len(keys) == 1, "roll-up rows of one (run, rank, segment)"
+        _, _, _, sids, levels, blocks, data = zip(*rows, strict=True)
+        sql.run(conn, f"INSERT INTO tensor_series ({SERIES_COLUMNS}) SELECT ?, ?, ?, * FROM unnest(?::int4[], "
+                      "?::int2[], ?::int8[], %b::bytea[]) "
+                      "ON CONFLICT (run_pk, rank, segment, stat_id, level, block) DO UPDATE SET data = EXCLUDED.data",
+                (*next(iter(keys)), sql.array_literal(sids), sql.array_literal(levels), sql.array_literal(blocks),
+                 list(data)))
     else:
         sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
 

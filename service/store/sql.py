@@ -5,23 +5,38 @@ SQLite takes to run such a statement; the ingest path and the loop's pass run ab
 statements per batch. Those few are written once as SQL text with ``?`` placeholders (turned
 into ``%s`` for psycopg) and run on the DB-API cursor of the SQLAlchemy connection, in its
 transaction: even ``exec_driver_sql`` spent as long again as the driver on building its result
-object (12 us against 2 us per SQLite statement, half a pass's database time on PostgreSQL). A
-failing statement still goes through SQLAlchemy's error handling (``handle_error`` listeners such
-as the database-error metric, the ``sa.exc`` wrappers the store translates, invalidation of a
-dropped connection). Rows come back as plain tuples. Everything else uses SQLAlchemy.
+object (12 us against 2 us per SQLite statement, half a pass's database time on PostgreSQL).
+Rows come back as plain tuples. Arrays of numbers go to PostgreSQL as
+array literals (``array_literal``, cast in the statement): psycopg dumps a list element by element
+in Python, in text (quoting each: 0.67 ms for a small batch's raw rows) or binary alike (a small
+batch's sixteen arrays were a third of its ingest CPU). PostgreSQL-only statements may write ``%b``
+for a parameter sent in binary (``bytea`` and its arrays). A failing statement raises the driver's own (DB-API) exception,
+its cursor closed; ``Store`` translates those and SQLAlchemy's in one place. Everything else
+uses SQLAlchemy.
+
+On PostgreSQL each statement that waits for its answer is a round trip to the server, and on a
+busy host every round trip is also a wake-up of the server process and of the waiting thread
+(measured: a small batch's ingest made 16 of them and spent half its time waiting). ``pipeline``
+sends statements without waiting (psycopg's pipeline mode, the extended protocol's Sync): rows
+are read where they are needed (``fetch_one``/``fetch_all`` flush the pipeline up to their
+statement) or later (``fetch_later``), and with ``commit=True`` the COMMIT rides with the queued
+statements. Inside a pipeline only this module's statements and SQLAlchemy DML without RETURNING
+may run: SQLAlchemy reads a result's description at once, before a pipelined answer arrives.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["fetch_all", "fetch_one", "insert_returning_ids", "json_value", "run", "run_many", "timestamp"]
+__all__ = ["Later", "array_literal", "fetch_all", "fetch_later", "fetch_one", "insert_returning_ids", "json_value", "pipeline", "run",
+           "run_many", "timestamp"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -37,9 +52,71 @@ def _cursor(conn: sa.Connection, sql: str, params: Any, *, many: bool = False) -
             cursor.executemany(text, params)
         else:
             cursor.execute(text, params)
-    except Exception as exc:
-        conn._handle_dbapi_exception(exc, text, params, cursor, None)  # raises the sa.exc wrapper
+    except BaseException:
+        cursor.close()
+        raise
     return cursor
+
+
+@contextmanager
+def pipeline(conn: sa.Connection, *, commit: bool = False) -> Iterator[None]:
+    """PostgreSQL: statements of the block are sent without waiting for their answers, which
+    arrive at the block's end (or where a row is fetched); with ``commit``, the transaction
+    commits at the end of the block in the same round trip, and the caller's own commit finds
+    nothing left to do. SQLite: nothing changes (no round trips to save; the caller commits)."""
+    if conn.dialect.name != "postgresql":
+        yield
+        return
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    with raw.pipeline():
+        yield
+        if commit:
+            # A COMMIT statement rather than ``raw.commit()``, which syncs at once: the block's end
+            # syncs anyway, and a second sync would be a second round trip. The driver learns
+            # the transaction ended from the server's answer; the caller's commit is then a no-op.
+            raw.execute("COMMIT")
+
+
+class Later:
+    """The rows of a statement sent now and read later: in a pipeline, after its answer came."""
+
+    __slots__ = ("_cursor", "_rows")
+
+    def __init__(self, cursor: Any, *, now: bool) -> None:
+        self._cursor: Any = None
+        self._rows: list[tuple[Any, ...]] | None = None
+        if now:
+            self._rows = _drain(cursor)
+        else:
+            self._cursor = cursor
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        if self._rows is None:
+            self._rows, self._cursor = _drain(self._cursor), None
+        return self._rows
+
+
+def _drain(cursor: Any) -> list[tuple[Any, ...]]:
+    try:
+        return [tuple(r) for r in cursor.fetchall()]
+    finally:
+        cursor.close()
+
+
+def array_literal(values: Iterable[int | float | None]) -> str:
+    """A PostgreSQL array literal of Python ints and floats (None is NULL; ``repr`` writes floats
+    exactly and infinities as ``inf``, which PostgreSQL reads), e.g. ``{1,2.5,NULL,inf}``."""
+    items = list(values)
+    if None in items:
+        return "{" + ",".join("NULL" if v is None else repr(v) for v in items) + "}"
+    return "{" + ",".join(map(repr, items)) + "}"
+
+
+def fetch_later(conn: sa.Connection, sql: str, params: Sequence[Any] = ()) -> Later:
+    """Send a statement; its rows are read by ``Later.rows()`` (at once on SQLite, whose cursors
+    do not outlive the next statement's commit)."""
+    return Later(_cursor(conn, sql, tuple(params)), now=conn.dialect.name != "postgresql")
 
 
 def run(conn: sa.Connection, sql: str, params: Sequence[Any] = ()) -> None:
@@ -76,30 +153,38 @@ _ROWS_PER_INSERT = 500
 
 def insert_returning_ids(conn: sa.Connection, table: str, columns: Sequence[tuple[str, str]],
                          rows: Sequence[Sequence[Any]]) -> list[int]:
-    """Insert ``rows`` and return their new ids in the order of ``rows``. ``columns``: (name,
-    PostgreSQL type) pairs. PostgreSQL: one ``INSERT .. SELECT * FROM unnest(arrays) RETURNING id``
-    (a statement text of fixed size, which psycopg parses once: a multi-row VALUES list of a
-    thousand placeholders cost it 7 ms a statement); SQLite: ``INSERT .. VALUES`` of up to 500
-    rows. Within one statement both number the rows in the order given (an ascending sequence or
-    rowid), but neither promises to return them in that order: the ids are sorted."""
+    """Insert ``rows`` and return their new ids, ascending in the order of ``rows``. ``columns``:
+    (name, PostgreSQL type) pairs. Neither database promises the order of ``RETURNING`` rows, so
+    the ids are allocated first and inserted explicitly. PostgreSQL: one statement of fixed text
+    (psycopg parses it once; a multi-row VALUES list of a thousand placeholders cost it 7 ms a
+    statement) that draws ``len(rows)`` values from the table's sequence, numbers them in
+    ascending order and pairs them with the rows by ``unnest(...) WITH ORDINALITY``. SQLite: the
+    ids after the largest stored one, in ``INSERT .. VALUES`` of up to 500 rows; the caller holds
+    the database's write lock (the loop's pass takes it first), so nobody else allocates meanwhile."""
     if not rows:
         return []
     names = ", ".join(name for name, _ in columns)
     if conn.dialect.name == "postgresql":
-        arrays = ", ".join(f"?::{kind}[]" for _, kind in columns)
-        chunks = [(f"INSERT INTO {table} ({names}) SELECT * FROM unnest({arrays}) RETURNING id",
-                   [list(col) for col in zip(*rows, strict=True)], len(rows))]
-    else:
-        one = f"({', '.join('?' * len(columns))})"
-        chunks = [(f"INSERT INTO {table} ({names}) VALUES {', '.join([one] * len(part))} RETURNING id",
-                   [v for row in part for v in row], len(part))
-                  for part in (rows[lo:lo + _ROWS_PER_INSERT] for lo in range(0, len(rows), _ROWS_PER_INSERT))]
-    ids: list[int] = []
-    for statement, params, n in chunks:
-        got = fetch_all(conn, statement, params)
-        if len(got) != n:
-            raise RuntimeError(f"INSERT INTO {table} returned {len(got)} ids for {n} rows")
-        ids += sorted(int(r[0]) for r in got)
+        arrays = ", ".join(f"%b::{kind}[]" for _, kind in columns)
+        picked = ", ".join(f"r.{name}" for name, _ in columns)
+        statement = (
+            f"WITH ids AS (SELECT nextval(pg_get_serial_sequence('{table}', 'id')) AS id FROM generate_series(1, ?)), "
+            "numbered AS (SELECT id, row_number() OVER (ORDER BY id) AS ord FROM ids), "
+            f"ins AS (INSERT INTO {table} (id, {names}) SELECT n.id, {picked} "
+            f"FROM unnest({arrays}) WITH ORDINALITY AS r({names}, ord) JOIN numbered n USING (ord)) "
+            "SELECT id FROM numbered ORDER BY ord")
+        ids = [int(r[0]) for r in fetch_all(conn, statement, [len(rows), *(list(c) for c in zip(*rows, strict=True))])]
+        if len(ids) != len(rows):
+            raise RuntimeError(f"INSERT INTO {table} allocated {len(ids)} ids for {len(rows)} rows")
+        return ids
+    row = fetch_one(conn, f"SELECT max(id) FROM {table}")
+    first = 1 + int(row[0]) if row is not None and row[0] is not None else 1
+    ids = list(range(first, first + len(rows)))
+    for lo in range(0, len(rows), _ROWS_PER_INSERT):
+        part = rows[lo:lo + _ROWS_PER_INSERT]
+        one = f"({', '.join('?' * (len(columns) + 1))})"
+        run(conn, f"INSERT INTO {table} (id, {names}) VALUES {', '.join([one] * len(part))}",
+            [v for k, r in enumerate(part) for v in (ids[lo + k], *r)])
     return ids
 
 

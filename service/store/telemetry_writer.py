@@ -32,14 +32,6 @@ from fp8guard.service.domain import Batch, IngestResult, StatBlock, StepRow, Ten
 from fp8guard.service.errors import Conflict, InvalidPayload, NotFound
 from fp8guard.service.kinds import ActionStatus, Precision
 from fp8guard.service.store import buckets, sql
-from fp8guard.service.store.models import (
-    SqlAction,
-    SqlCheckpoint,
-    SqlEvent,
-    SqlLayerPrecision,
-    SqlRun,
-    SqlTensor,
-)
 from fp8guard.service.store.rollup_writer import SERIES_COLUMNS, RollupTail, merge_rollups, recompute_rollups
 from fp8guard.wire import STEP_FIELDS
 
@@ -115,11 +107,15 @@ def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
 
-def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheTxn) -> tuple[IngestResult, int]:
-    """Store the batch in the caller's transaction; returns (result, run primary key)."""
+def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime,
+                 cache: CacheTxn) -> tuple[IngestResult, int, sql.Later | None]:
+    """Store the batch in the caller's transaction; returns (result, run primary key, the row
+    holding its ``loop_queue`` id: read it once the statement was answered, None for a batch
+    with no steps or a duplicate)."""
     run_pk = cache.run_pks.get(batch.run_id)
     if run_pk is None:
-        run_pk = conn.scalar(sa.select(SqlRun.id).where(SqlRun.run_id == batch.run_id))
+        row = sql.fetch_one(conn, "SELECT id FROM runs WHERE run_id = ?", (batch.run_id,))
+        run_pk = None if row is None else int(row[0])
         if run_pk is not None:
             cache.pending.append(("run_pks", batch.run_id, run_pk))
     if run_pk is None:
@@ -128,14 +124,10 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
             loc=("body", "run_id"),
         )
     samples = batch.num_samples
-    accepted = sql.fetch_one(  # RETURNING: rowcount is not portable for INSERT .. ON CONFLICT
-        conn, "INSERT INTO ingest_batches (run_pk, batch_id, rank, received_at, steps, samples) "
-              "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING rank",
-        (run_pk, batch.batch_id, batch.rank, sql.timestamp(conn, now), len(batch.steps), samples)) is not None
-    if not accepted:
-        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0, run_pk=run_pk), run_pk
+    progress = _accept(conn, run_pk, batch, now, samples)
+    if progress is None:
+        return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0, run_pk=run_pk), run_pk, None
 
-    progress = _lock_rank(conn, run_pk, batch.rank, now)
     first_step, last_step = _step_range(batch)
     overlap, extends, fresh = _touch_segment(conn, run_pk, batch, first_step, last_step, progress)
     _define_tensors(conn, run_pk, batch.tensors, first_step if first_step is not None else 0)
@@ -158,15 +150,13 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime, cache: CacheT
     _write_events(conn, run_pk, batch)
     _update_progress(conn, run_pk, batch, progress, last_step, samples)
     _record_agent_facts(conn, run_pk, batch, now)
-    queue_id = None
+    queue_row = None
     if first_step is not None and last_step is not None:
-        row = sql.fetch_one(conn, "INSERT INTO loop_queue (run_pk, rank, segment, first_step, last_step) "
-                                  "VALUES (?, ?, ?, ?, ?) RETURNING id",
-                            (run_pk, batch.rank, batch.segment, first_step, last_step))
-        assert row is not None
-        queue_id = int(row[0])
+        queue_row = sql.fetch_later(conn, "INSERT INTO loop_queue (run_pk, rank, segment, first_step, last_step) "
+                                          "VALUES (?, ?, ?, ?, ?) RETURNING id",
+                                    (run_pk, batch.rank, batch.segment, first_step, last_step))
     return IngestResult(batch_id=batch.batch_id, duplicate=False, steps=len(batch.steps), samples=samples,
-                        queue_id=queue_id, run_pk=run_pk), run_pk
+                        run_pk=run_pk), run_pk, queue_row
 
 
 class Progress(NamedTuple):
@@ -177,21 +167,43 @@ class Progress(NamedTuple):
     batches: int
 
 
-def _lock_rank(conn: sa.Connection, run_pk: int, rank: int, now: datetime) -> Progress:
-    """Bump the rank's batch counter (taking its row lock until commit) and return its progress."""
-    bump = ("UPDATE run_ranks SET batches = batches + 1, updated_at = ? WHERE run_pk = ? AND rank = ? "
-            "RETURNING last_step, last_segment, batches")
-    args = (sql.timestamp(conn, now), run_pk, rank)
-    row = sql.fetch_one(conn, bump, args)
-    if row is not None:
-        return Progress(*row)
-    if row is None:
-        sql.run(conn, "INSERT INTO run_ranks (run_pk, rank, last_segment, batches, samples, updated_at, last_loss_nan) "
-                      "VALUES (?, ?, 0, 0, 0, ?, ?) ON CONFLICT DO NOTHING",
-                (run_pk, rank, sql.timestamp(conn, now), False))
-        row = sql.fetch_one(conn, bump, args)
+_INSERT_BATCH = ("INSERT INTO ingest_batches (run_pk, batch_id, rank, received_at, steps, samples) "
+                 "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING")
+_BUMP_RANK = "UPDATE run_ranks SET batches = batches + 1, updated_at = ? WHERE run_pk = ? AND rank = ?"
+_PROGRESS = "RETURNING last_step, last_segment, batches"
+_ACCEPT_PG = (f"WITH accepted AS ({_INSERT_BATCH} RETURNING rank), "
+              f"bumped AS ({_BUMP_RANK} AND EXISTS (SELECT 1 FROM accepted) {_PROGRESS}) "
+              "SELECT (SELECT count(*) FROM accepted), b.last_step, b.last_segment, b.batches "
+              "FROM (SELECT 1) AS one LEFT JOIN bumped AS b ON true")
+"""Both first steps in one statement (one round trip): the batch id goes in unless it is stored
+already, and only then is the rank's counter bumped, which takes its row lock until commit."""
+
+
+def _accept(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime, samples: int) -> Progress | None:
+    """Record the batch id and lock the rank; the rank's progress, or None for a duplicate."""
+    when = sql.timestamp(conn, now)
+    inserted = (run_pk, batch.batch_id, batch.rank, when, len(batch.steps), samples)
+    bump = (when, run_pk, batch.rank)
+    if conn.dialect.name == "postgresql":
+        row = sql.fetch_one(conn, _ACCEPT_PG, (*inserted, *bump))
+        assert row is not None
+        if not row[0]:
+            return None
+        if row[3] is not None:
+            return Progress(row[1], int(row[2]), int(row[3]))
+    # RETURNING: rowcount is not portable for INSERT .. ON CONFLICT
+    elif sql.fetch_one(conn, f"{_INSERT_BATCH} RETURNING rank", inserted) is None:
+        return None
+    else:
+        row = sql.fetch_one(conn, f"{_BUMP_RANK} {_PROGRESS}", bump)
+        if row is not None:
+            return Progress(row[0], int(row[1]), int(row[2]))
+    # The rank's first batch: its progress row does not exist yet.
+    sql.run(conn, "INSERT INTO run_ranks (run_pk, rank, last_segment, batches, samples, updated_at, last_loss_nan) "
+                  "VALUES (?, ?, 0, 0, 0, ?, ?) ON CONFLICT DO NOTHING", (run_pk, batch.rank, when, False))
+    row = sql.fetch_one(conn, f"{_BUMP_RANK} {_PROGRESS}", bump)
     assert row is not None
-    return Progress(*row)
+    return Progress(row[0], int(row[1]), int(row[2]))
 
 
 def _step_range(batch: Batch) -> tuple[int | None, int | None]:
@@ -261,9 +273,8 @@ def _check_tensor_coverage(conn: sa.Connection, run_pk: int, blocks: Sequence[St
     needed = max(int(b.values.shape[2]) for b in blocks)
     if cache.tensors_defined.get(run_pk, 0) >= needed:
         return
-    defined = conn.scalar(
-        sa.select(sa.func.count()).select_from(SqlTensor).where(SqlTensor.run_pk == run_pk, SqlTensor.idx < needed)
-    )
+    row = sql.fetch_one(conn, "SELECT count(*) FROM tensors WHERE run_pk = ? AND idx < ?", (run_pk, needed))
+    defined = 0 if row is None else int(row[0])
     if defined != needed:
         pos = next(i for i, b in enumerate(blocks) if b.values.shape[2] == needed)
         raise InvalidPayload(
@@ -306,17 +317,19 @@ def _step_row(run_pk: int, batch: Batch, rec: StepRow) -> tuple[Any, ...]:
 def _write_steps(conn: sa.Connection, run_pk: int, batch: Batch, *, overlap: bool) -> None:
     if not batch.steps:
         return
+    rows = [_step_row(run_pk, batch, rec) for rec in batch.steps]
     if conn.dialect.name == "postgresql" and not overlap:
-        raw = conn.connection.driver_connection
-        assert raw is not None
-        with raw.cursor() as cur, cur.copy(f"COPY steps ({', '.join(_STEP_COLUMNS)}) FROM STDIN (FORMAT BINARY)") as cp:
-            cp.set_types(["int4", "int4", "int4", "int8", "float8", *["float8"] * len(STEP_FIELDS), "int8", "int2"])
-            for rec in batch.steps:
-                cp.write_row(_step_row(run_pk, batch, rec))
+        # One statement of fixed text, the columns as arrays: it rides in the ingest pipeline
+        # (COPY cannot), and costs no more Python than COPY's rows did.
+        sql.run(conn, _INSERT_STEPS_PG, (run_pk, batch.rank, batch.segment,
+                                         *(sql.array_literal(col) for col in list(zip(*rows, strict=True))[3:])))
         return
-    sql.run_many(conn, _UPSERT_STEPS, [_step_row(run_pk, batch, rec) for rec in batch.steps])
+    sql.run_many(conn, _UPSERT_STEPS, rows)
 
 
+_STEP_TYPES = ("bigint", "float8", *["float8"] * len(STEP_FIELDS), "bigint", "int2")
+_INSERT_STEPS_PG = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) SELECT ?, ?, ?, * FROM unnest("
+                    f"{', '.join(f'?::{t}[]' for t in _STEP_TYPES)})")
 _UPSERT_STEPS = (f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) VALUES ({', '.join(['?'] * len(_STEP_COLUMNS))}) "
                  f"ON CONFLICT (run_pk, rank, segment, step) DO UPDATE SET "
                  f"{', '.join(f'{c} = excluded.{c}' for c in _STEP_COLUMNS[4:])}")
@@ -329,52 +342,51 @@ def _write_block(
     key = (run_pk, batch.rank, batch.segment)
     values = np.ascontiguousarray(block.values.astype("<f4", copy=False))
     steps = block.steps
-    raw_rows = [
-        (*key, stat_ids[name], 1, int(step), values[i, k].tobytes())
-        for k, name in enumerate(block.stats)
-        for i, step in enumerate(steps)
-    ]
     ids = [stat_ids[n] for n in block.stats]
-    _write_raw(conn, raw_rows, key, ids, steps, overlap=overlap)
+    _write_raw(conn, key, ids, steps, values, overlap=overlap)
     if overlap:  # stored steps may change value: folding would keep the old extremes
         recompute_rollups(conn, key, ids, steps)
     else:
         merge_rollups(conn, key, ids, buckets.rollups(steps, values), tail, new_tail)
 
 
+_INSERT_RAW_PG = (f"INSERT INTO tensor_series ({SERIES_COLUMNS}) "
+                  "SELECT ?, ?, ?, s.stat_id, 1, b.block, "
+                  "substring(%b::bytea from (((s.k - 1) * ?::int + b.i - 1) * ?::int + 1)::int for ?::int) "
+                  "FROM unnest(?::int4[]) WITH ORDINALITY AS s(stat_id, k), unnest(?::int8[]) WITH ORDINALITY AS b(block, i)")
+"""The raw rows of a block, (stat, step) pairs, cut server-side from one blob of the values in
+(stat, step, tensor) order: no Python per row, and a statement that rides in the pipeline (COPY cannot)."""
+
+
 def _write_raw(
-    conn: sa.Connection, rows: list[tuple[Any, ...]], key: tuple[int, int, int], stat_ids: list[int],
-    steps: np.ndarray[Any, Any], *, overlap: bool,
+    conn: sa.Connection, key: tuple[int, int, int], stat_ids: list[int], steps: np.ndarray[Any, Any],
+    values: np.ndarray[Any, Any], *, overlap: bool,
 ) -> None:
+    """``values``: (steps, stats, tensors) float32, as the block holds them."""
+    step_list = [int(s) for s in steps]
     if conn.dialect.name != "postgresql":
+        rows = [(*key, sid, 1, step, values[i, k].tobytes())
+                for k, sid in enumerate(stat_ids) for i, step in enumerate(step_list)]
         sql.run_many(conn, f"INSERT OR REPLACE INTO tensor_series ({SERIES_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
         return
-    raw = conn.connection.driver_connection
-    assert raw is not None
-    with raw.cursor() as cur:
-        if overlap:  # COPY cannot upsert: clear re-sent steps first (we hold the rank lock)
-            cur.execute(
-                "DELETE FROM tensor_series WHERE run_pk=%s AND rank=%s AND segment=%s AND level=1 "
-                "AND stat_id = ANY(%s) AND block = ANY(%s)",
-                (*key, stat_ids, [int(s) for s in steps]),
-            )
-        with cur.copy(f"COPY tensor_series ({SERIES_COLUMNS}) FROM STDIN (FORMAT BINARY)") as copy:
-            copy.set_types(["int4", "int4", "int4", "int4", "int2", "int8", "bytea"])
-            for row in rows:
-                copy.write_row(row)
+    if overlap:  # an insert cannot replace: clear re-sent steps first (we hold the rank lock)
+        sql.run(conn, "DELETE FROM tensor_series WHERE run_pk = ? AND rank = ? AND segment = ? AND level = 1 "
+                      "AND stat_id = ANY(?::int4[]) AND block = ANY(?::int8[])",
+                (*key, sql.array_literal(stat_ids), sql.array_literal(step_list)))
+    width = int(values.shape[2]) * 4
+    blob = np.ascontiguousarray(values.transpose(1, 0, 2)).tobytes()
+    sql.run(conn, _INSERT_RAW_PG, (*key, blob, len(step_list), width, width, sql.array_literal(stat_ids),
+                                   sql.array_literal(step_list)))
 
 
 def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
     if not batch.events:
         return
-    conn.execute(
-        sa.insert(SqlEvent),
-        [{"run_pk": run_pk, "rank": batch.rank, "segment": batch.segment, "step": e.step, "time": e.time,
-          "kind": e.kind, "data": e.data} for e in batch.events],
-    )
+    sql.run_many(conn, "INSERT INTO events (run_pk, rank, segment, step, time, kind, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 [(run_pk, batch.rank, batch.segment, e.step, e.time, e.kind, json.dumps(e.data)) for e in batch.events])
     status = next((_STATUS_BY_EVENT[e.kind] for e in reversed(batch.events) if e.kind in _STATUS_BY_EVENT), None)
     if status is not None:
-        conn.execute(sa.update(SqlRun).where(SqlRun.id == run_pk).values(status=status))
+        sql.run(conn, "UPDATE runs SET status = ? WHERE id = ?", (status, run_pk))
 
 
 def _update_progress(
@@ -408,26 +420,28 @@ def _record_agent_facts(conn: sa.Connection, run_pk: int, batch: Batch, now: dat
         data: dict[str, Any] = e.data or {}
         if e.kind == wire.EventKind.COMMAND_ACKNOWLEDGED:
             ack = wire.CommandAck.from_json(data)  # validated at the door already
-            conn.execute(sa.update(SqlAction).where(
-                SqlAction.run_pk == run_pk, SqlAction.id == ack.command_id,
-                SqlAction.status.in_((ActionStatus.PENDING, ActionStatus.RECOMMENDED)))
-                .values(status=ActionStatus(ack.status.value), applied_step=ack.applied_step or e.step, applied_at=now,
-                        error=ack.error[:1024] if ack.error else None))
+            sql.run(conn, "UPDATE actions SET status = ?, applied_step = ?, applied_at = ?, error = ? "
+                          "WHERE run_pk = ? AND id = ? AND status IN (?, ?)",
+                    (str(ActionStatus(ack.status.value)), ack.applied_step or e.step, sql.timestamp(conn, now),
+                     ack.error[:1024] if ack.error else None, run_pk, ack.command_id,
+                     str(ActionStatus.PENDING), str(ActionStatus.RECOMMENDED)))
         elif e.kind == wire.EventKind.CHECKPOINT_SAVED and e.step is not None:
-            conn.execute(upsert_insert(conn)(SqlCheckpoint).values(
-                run_pk=run_pk, rank=batch.rank, segment=batch.segment, step=e.step,
-                path=str(data.get("path"))[:1024] if data.get("path") else None,
-                known_good=bool(data.get("known_good", False)), created_at=now).on_conflict_do_nothing())
+            sql.run(conn, "INSERT INTO checkpoints (run_pk, rank, segment, step, path, known_good, created_at) "
+                          "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (run_pk, batch.rank, batch.segment, e.step,
+                     str(data.get("path"))[:1024] if data.get("path") else None,
+                     bool(data.get("known_good", False)), sql.timestamp(conn, now)))
         elif e.kind in (wire.EventKind.FALLBACK_APPLIED, wire.EventKind.PROMOTION_APPLIED) and e.step is not None:
             modules = data.get("modules")
             if not modules:
-                modules = sorted({r.module or r.name.split(":")[0] for r in conn.execute(
-                    sa.select(SqlTensor.name, SqlTensor.module).where(SqlTensor.run_pk == run_pk))})
+                modules = sorted({module or name.split(":")[0] for name, module in sql.fetch_all(
+                    conn, "SELECT name, module FROM tensors WHERE run_pk = ?", (run_pk,))})
             command_id = data.get("command_id") if isinstance(data.get("command_id"), int) else None
             precision = Precision.FP8
             if e.kind == wire.EventKind.FALLBACK_APPLIED:
-                details = conn.scalar(sa.select(SqlAction.payload).where(
-                    SqlAction.run_pk == run_pk, SqlAction.id == command_id)) if command_id is not None else None
+                row = sql.fetch_one(conn, "SELECT payload FROM actions WHERE run_pk = ? AND id = ?",
+                                    (run_pk, command_id)) if command_id is not None else None
+                details = sql.json_value(conn, row[0]) if row is not None else None
                 precision = Precision.PINNED if (details or {}).get("escalation") else Precision.BF16
             _set_precision(conn, run_pk, [str(m) for m in modules], precision, e.step, command_id)
 
@@ -436,10 +450,7 @@ def _set_precision(conn: sa.Connection, run_pk: int, modules: Sequence[str], pre
                    action_id: int | None) -> None:
     if not modules:
         return
-    stmt = upsert_insert(conn)(SqlLayerPrecision)
-    stmt = stmt.on_conflict_do_update(index_elements=["run_pk", "module"],
-                                      set_={"precision": stmt.excluded.precision,
-                                            "since_step": stmt.excluded.since_step,
-                                            "action_id": stmt.excluded.action_id})
-    conn.execute(stmt, [{"run_pk": run_pk, "module": m, "precision": str(precision), "since_step": step,
-                         "action_id": action_id} for m in modules])
+    sql.run_many(conn, "INSERT INTO layer_precision (run_pk, module, precision, since_step, action_id) "
+                       "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_pk, module) DO UPDATE SET "
+                       "precision = excluded.precision, since_step = excluded.since_step, action_id = excluded.action_id",
+                 [(run_pk, m, str(precision), step, action_id) for m in modules])

@@ -240,3 +240,77 @@ def test_a_long_poll_ends_when_its_client_hangs_up(tmp_path: Any) -> None:
         while app.state.commands.waiting("gone"):
             assert time.monotonic() < deadline, "the long-poll kept waiting for a client that hung up"
             time.sleep(0.02)
+
+
+def test_a_pass_that_issues_commands_reports_the_runs_pending_commands(store: Store) -> None:
+    """What the loop notifies long-polls with (read in the pass's transaction, with its commit) is
+    what a fresh read of the run's pending commands returns, an earlier pending command included."""
+    from fp8guard.service.alerts.config import AlertSettings
+    from fp8guard.service.loop.judge import Judge
+
+    store.register_run(RunSpec(run_id="notified"))
+    judge = Judge(AlertSettings())
+    results = []
+    for k in range(2):  # the infinite amax of each batch: a fallback of blocks.0.fc, then of blocks.1.fc
+        values = _amax(False)
+        values[-1, 0, 3 * k] = np.inf
+        body = batch("notified", list(range(10 * k, 10 * k + 10)), stats=("amax",), values=values, n_tensors=12,
+                     define_tensors=k == 0)
+        stored = store.ingest(decode_batch(IngestBatchIn.model_validate(body)))
+        assert stored.run_pk is not None
+        results.append(store.loop_pass(stored.run_pk, lambda txn: judge(txn, lambda q: None)))
+    assert [r.commands for r in results] == [1, 1]
+    fresh = store.commands("notified")
+    assert len(fresh) == 2
+    assert list(results[1].pending) == fresh
+    assert list(results[0].pending) == fresh[:1]
+
+
+def test_the_channel_hands_the_notified_commands_to_a_woken_long_poll() -> None:
+    import asyncio
+
+    from fp8guard.service.loop.channel import CommandChannel
+
+    command = wire.Command.from_json({"id": 7, "kind": "fallback", "reason": "inf", "modules": ["m"]})
+
+    async def scenario() -> tuple[bool, Any, bool, Any]:
+        channel = CommandChannel()
+        ticket = channel.watch("r")
+        threading.Thread(target=channel.notify, args=("r", [command])).start()
+        woken = await channel.wait("r", ticket, 5.0)
+        bare = channel.watch("r")
+        channel.notify("r")
+        return woken, ticket.commands, await channel.wait("r", bare, 5.0), bare.commands
+
+    woken, commands, woken_bare, bare_commands = asyncio.run(scenario())
+    assert woken and commands == (command,)
+    assert woken_bare and bare_commands is None
+
+
+def test_a_run_whose_batch_went_non_finite_is_judged_first(store: Store) -> None:
+    """Dirty runs wait in order, but one with a NaN loss or an infinite amax goes to the front: its
+    decision is what an agent long-polls for."""
+    from fp8guard.service.alerts.config import AlertSettings
+    from fp8guard.service.loop.judge import Judge
+    from fp8guard.service.loop.worker import LoopWorker
+
+    real = Judge(AlertSettings())
+    order: list[int] = []
+
+    def judge(txn: Any, take: Any, **kw: Any) -> Any:
+        order.append(txn.run_pk)
+        return real(txn, take, **kw)
+
+    worker = LoopWorker(store, judge)  # type: ignore[arg-type]
+    pks = {}
+    for run, body in (("calm-a", batch("calm-a", list(range(10)), stats=("amax",), values=_amax(False), n_tensors=12)),
+                      ("calm-b", batch("calm-b", list(range(10)), stats=("amax",), values=_amax(False), n_tensors=12)),
+                      ("inf", _inf_batch("inf")), ("nan", _nan_batch("nan", 0))):
+        store.register_run(RunSpec(run_id=run))
+        decoded = decode_batch(IngestBatchIn.model_validate(body))
+        stored = store.ingest(decoded)
+        assert stored.run_pk is not None
+        pks[run] = stored.run_pk
+        worker.submit(stored.run_pk, stored.queue_id, decoded)
+    worker.run_pending()
+    assert order == [pks["nan"], pks["inf"], pks["calm-a"], pks["calm-b"]]

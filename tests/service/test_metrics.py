@@ -266,6 +266,23 @@ def test_database_errors_counted(mclient: Any) -> None:
     assert sum(v for k, v in s.items() if k[0] == "fp8guard_database_errors_total") == 1
 
 
+def test_driver_level_database_errors_counted_once(mclient: Any) -> None:
+    """The store's driver-level statements raise the driver's own errors: translated, and counted
+    once each, by kind."""
+    from fp8guard.service.errors import ServiceError
+    from fp8guard.service.store import sql
+
+    store = mclient.app.state.store
+    with pytest.raises(ServiceError):
+        store.loop_pass(1, lambda txn: sql.run(txn.conn, "SELECT * FROM no_such_table"))
+    with pytest.raises(ServiceError):  # a NOT NULL column left out
+        store.loop_pass(1, lambda txn: sql.run(txn.conn, "INSERT INTO runs (run_id) VALUES ('x')"))
+    s = scrape(mclient)
+    counted = {dict(k[1])["kind"]: v for k, v in s.items() if k[0] == "fp8guard_database_errors_total"}
+    assert sum(counted.values()) == 2
+    assert counted.get("integrity") == 1
+
+
 def test_alert_collector() -> None:
     class Fake:
         def stats(self) -> dict[str, dict[str, int]]:

@@ -67,3 +67,37 @@ def test_failed_batch_leaves_no_cached_facts(store: Store) -> None:
     _ingest(store, ok)
     assert "brand_new_stat" in store.run("rb-cache").stats
     assert store.tensor_series("rb-cache", 0, "brand_new_stat", Window()).steps == [2]
+
+
+def test_sqlite_writers_queue_on_one_lock_and_give_up_after_its_timeout(store: Store,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every write transaction of a SQLite store (not only ingest and the loop) takes the process's
+    write lock, and one that cannot get it in time is answered 'unavailable' rather than waiting forever."""
+    import threading
+
+    from fp8guard.service.errors import StorageUnavailable
+    from fp8guard.service.store import repository
+
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("the process write lock is SQLite's")
+    monkeypatch.setattr(repository, "WRITE_LOCK_TIMEOUT_S", 0.2)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store._session(write=True):
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(StorageUnavailable):
+            store.register_run(RunSpec(run_id="waits"))
+        with pytest.raises(StorageUnavailable):
+            store.set_guard("waits", {}, "admin")
+    finally:
+        release.set()
+        holder.join(10)
+    store.register_run(RunSpec(run_id="waits"))  # the lock is free again
+    assert store.run("waits").summary.run_id == "waits"

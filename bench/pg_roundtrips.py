@@ -1,0 +1,115 @@
+"""Round trips to PostgreSQL per small batch: one ingest transaction and one loop pass, counted
+from libpq's protocol trace (a round trip = the client sends, then waits for what the server
+sends back). The connection pool's ping, done before a checkout is traced, adds one to each.
+
+    python bench/pg_roundtrips.py            # a healthy batch
+    python bench/pg_roundtrips.py --nan      # the batch that triggers a decision (NaN loss, inf amax)
+
+Prints JSON: ``ingest`` and ``loop`` round trips, and the CPU (``time.thread_time``) of each, for
+the last of four batches of 200 tensors x 4 stats x 10 steps, as ``bench/load.py`` sends them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.load import PG_ADMIN_URL, Batches
+
+
+def _round_trips(trace: str) -> int:
+    trips, last = 0, None
+    for line in trace.splitlines():
+        direction = line.split("\t", 1)[0]
+        if direction == "F" and last != "F":
+            trips += 1
+        last = direction
+    return trips
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nan", action="store_true", help="the last batch carries a NaN loss and an inf amax")
+    args = parser.parse_args()
+
+    import psycopg
+    import sqlalchemy as sa
+    from psycopg import pq
+
+    from fp8guard.service.alerts.config import AlertSettings
+    from fp8guard.service.domain import RunSpec
+    from fp8guard.service.ingest.decode import EventLimits
+    from fp8guard.service.ingest.routes import _parse
+    from fp8guard.service.loop.judge import Judge
+    from fp8guard.service.store import Store, make_engine, upgrade
+
+    name = f"fp8guard_rt_{os.getpid()}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    out: dict[str, Any] = {}
+    try:
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        store = Store.open(url)
+        trace = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed with the store below
+        tracing: list[bool] = []
+
+        def checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+            if tracing:
+                dbapi_conn.pgconn.trace(trace.fileno())
+                dbapi_conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+
+        def checkin(dbapi_conn: Any, record: Any) -> None:
+            if dbapi_conn is not None:
+                dbapi_conn.pgconn.untrace()
+
+        sa.event.listen(store.engine, "checkout", checkout)
+        sa.event.listen(store.engine, "checkin", checkin)
+        try:
+            store.register_run(RunSpec(run_id="rt"))
+            batches = Batches(200, 4, 10)
+            judge = Judge(AlertSettings())
+            held: dict[int | None, Any] = {}
+            for k in range(4):
+                last = k == 3
+                body = gzip.decompress(batches.body("rt", 10 * k, k, with_tensors=k == 0, nan_last=last and args.nan))
+                batch = _parse(body, EventLimits())
+                for stage in ("ingest", "loop"):
+                    if last:
+                        tracing.append(True)
+                        trace.seek(0)
+                        trace.truncate()
+                    cpu = time.thread_time()
+                    if stage == "ingest":
+                        result = store.ingest(batch)
+                        held[result.queue_id] = batch
+                    else:
+                        assert result.run_pk is not None
+                        store.loop_pass(result.run_pk, lambda txn: judge(txn, held.pop))
+                    if last:
+                        cpu = time.thread_time() - cpu
+                        tracing.clear()
+                        trace.flush()
+                        trace.seek(0)
+                        out[stage] = {"round_trips": _round_trips(trace.read()), "cpu_ms": round(cpu * 1e3, 2)}
+        finally:
+            store.close()
+            trace.close()
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    print(json.dumps({"nan": args.nan, **out}))
+
+
+if __name__ == "__main__":
+    main()
