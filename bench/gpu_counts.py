@@ -130,6 +130,9 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
 
     reference: dict[tuple[str, str], dict[str, Any]] = {}
     info: dict[tuple[str, str], dict[str, Any]] = {}
+    formats: dict[tuple[str, str], Any] = {}
+    """The source's layout format per operand (E5M2 for HYBRID's gradients): the default the
+    feature itself uses when neither the quantizer nor the cast tensor names the format."""
     reference_on = [True]
 
     class TeExactReference:
@@ -156,7 +159,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
             over = compute_fp8_delayed_scaling_overflows_num(tensor, q)
             under = tensor.count_nonzero() - count_nonzero_fp8(data)
             pairs = {"te_functions": torch.stack((over.to(torch.int64), under.to(torch.int64)))}
-            fmt = te_inspect._format_of(q, Fp8Format.E4M3, quantizer)
+            fmt = te_inspect._format_of(q, formats.get(key, Fp8Format.E4M3), quantizer)
             scale = getattr(quantizer, "scale", None)
             for variant, fp8_bytes, s in (("hp", None, scale), ("bytes", data, q._scale_inv)):
                 if variant == "hp" and not isinstance(scale, torch.Tensor):
@@ -201,6 +204,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     assert isinstance(src, te_source.TESource)
     src.prepare_step(1, 1)
     names = {(layer, tensor): target.index for (layer, tensor), target in src._inspect.targets.items()}
+    formats.update({key: target.fmt for key, target in src._inspect.targets.items()})
     n = len(src.tensors())
     steps = []
     mismatches: list[dict[str, Any]] = []

@@ -141,9 +141,11 @@ class InspectCounts:
 
 def _format_of(quantized: Any, default: Fp8Format, quantizer: Any = None) -> Fp8Format:
     """The format the cast used: the quantizer's ``dtype`` (TE's ``tex.DType``), else the cast
-    tensor's ``_fp8_dtype``, else ``default`` (the layout's guess: E5M2 for gradients under HYBRID).
-    On the H200 (2026-12-02) ``bench/gpu_counts.py verify``, reading the cast tensor alone with an
-    E4M3 default, counted HYBRID's E5M2 gradients against E4M3's range: the quantizer says it."""
+    tensor's ``_fp8_dtype``, else ``default``: the layout's format for the operand (E5M2 for
+    HYBRID's gradients). On the H200 with TE 2.20.2 (2026-12-02) neither attribute named E5M2 on
+    the backward gradients as read here: ``bench/gpu_counts.py verify``, defaulting to E4M3, counted
+    their E5M2 bytes against E4M3's range, while this feature, defaulting to the layout's E5M2,
+    equalled TE on every operand. The layout's default is what makes it right there."""
     for name in (str(getattr(quantizer, "dtype", "")), str(getattr(quantized, "_fp8_dtype", ""))):
         if "E4M3" in name:
             return Fp8Format.E4M3
