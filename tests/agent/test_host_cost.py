@@ -13,9 +13,6 @@ paths. The gradient norm's foreach path keeps its value bit for bit.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -32,6 +29,7 @@ from fp8guard.agent.sources import te_access  # noqa: E402
 from fp8guard.agent.telemetry import GradNorm  # noqa: E402
 from fp8guard.nanogpt import GPT, GPTConfig  # noqa: E402
 from tests import fake_te  # noqa: E402
+from tests.agent.interpreted import run_interpreted  # noqa: E402
 
 
 class _Launches(TorchDispatchMode):
@@ -238,13 +236,7 @@ def test_gpu_paths_launch_a_fixed_number_of_kernels_under_the_interpreter() -> N
     Triton's CPU interpreter: at 4 and 32 fake TE layers the same torch ops and the same Triton
     launches (one sum-of-squares launch, one history gather), and the gather's values equal the
     torch read's, NaN and BF16 fallback included."""
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_interpreted(_INTERPRETED, timeout=900)
     shallow, deep = got["4"], got["32"]
     assert shallow["ops"] == deep["ops"], (len(shallow["ops"]), len(deep["ops"]))
     # three steps: one sum-of-squares launch and one history gather each

@@ -7,11 +7,8 @@ docs/gpu.md). The torch path is checked here against a brute-force element loop.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from fp8guard.agent import kernels  # noqa: E402
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow, quantize  # noqa: E402
+from tests.agent.interpreted import run_interpreted  # noqa: E402
 
 FORMATS = [Fp8Format.E4M3, Fp8Format.E5M2]
 EDGES = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-40, 3e38]
@@ -106,13 +104,7 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_triton_kernels_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_interpreted(_INTERPRETED, timeout=600)
     for row in got["counts"]:
         # [hp path triton, hp path torch, bytes path triton, bytes path torch]: all four agree
         assert row[0] == row[1] == row[2] == row[3], row
@@ -154,13 +146,7 @@ _TABLE = textwrap.dedent("""
 def test_table_grad_norm_under_the_interpreter() -> None:
     """GradNorm's one-launch-per-dtype Triton path over device tables built once, re-pointed only
     when the gradients move."""
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", _TABLE], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps = run_interpreted(_TABLE, timeout=600)
     for s in steps:
         assert s["table"] == pytest.approx(s["ref"], rel=1e-6), s
     # re-pointed at the first call and when the gradients moved, not when only their values changed
@@ -234,13 +220,7 @@ _EDGES_INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_edge_cases_triton_variants_equal_te_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", _EDGES_INTERPRETED], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_interpreted(_EDGES_INTERPRETED, timeout=600)
     assert len(rows) > 40
     for row in rows:
         assert row["te"] == row["hp_triton"] == row["bytes_triton"] == row["hp_torch"] == row["bytes_torch"], row
