@@ -47,7 +47,9 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     for result in full["ratios"].values():
         assert "error" not in result, result
         assert result["ratio"] > 0 and not result["monitor_broken"]
-        assert result["modes"] == ["plain", "monitor"] + (["monitor_table"] if interpret else [])
-        assert ("table_ratio" in result) == interpret  # the table mode ran exactly where it can
-        assert not interpret or result["table_ratio"] > 0
+        # the monitor's default norm, and foreach beside it exactly where the default is the table
+        table = result["grad_norm_backend"] == "table"
+        assert result["modes"] == ["plain", "monitor"] + (["monitor_foreach"] if table else [])
+        assert ("foreach_ratio" in result) == table
+        assert not table or result["foreach_ratio"] > 0
     assert full["agent_log"] == []

@@ -15,8 +15,8 @@ PUBLIC = {
         "encode_float", "gzip_body", "make_batch", "new_batch_id", "tensor_stats_block",
     ],
     "fp8guard.service.auth": [
-        "AUTH_RESPONSES", "SESSION_COOKIE", "AdminAccess", "Authenticator", "FollowAccess", "IngestAccess", "Principal",
-        "ReadAccess", "require",
+        "AUTH_RESPONSES", "OPENAPI_SECURITY", "SESSION_COOKIE", "AdminAccess", "Authenticator", "FollowAccess",
+        "IngestAccess", "Principal", "ReadAccess", "authorize", "require",
     ],
     "fp8guard.service.store": ["Store", "Window", "make_engine", "upgrade", "verify_schema"],
     "fp8guard.agent": [

@@ -17,12 +17,16 @@ pytest.importorskip("torch")
 from bench.scenarios import run_suite, suite
 
 BATCH_SIZES = (1, 10)
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+"""The module's one suite run is set up inside its first test: about two minutes on a quiet
+machine, past the default 300 s per test when CI shares the cores."""
 
 
 @pytest.fixture(scope="module")
 def board() -> dict[str, Any]:
-    return run_suite(suite(steps=200), BATCH_SIZES, twins=False)["scenarios"]
+    # heal_wide (the H200-shaped heal, #12) is left to `bench/scenarios.py`: a 4-block model that
+    # doubles the suite's time and that no target here reads (docs/detection.md has its rows).
+    return run_suite([s for s in suite(steps=200) if s.name != "heal_wide"], BATCH_SIZES, twins=False)["scenarios"]
 
 
 def _runs(board: dict[str, Any], name: str) -> list[dict[str, Any]]:
