@@ -107,8 +107,9 @@ class _Liveness:
         try:
             self.engine.dialect.do_ping(dbapi_conn)
         except Exception as exc:
-            # The pool drops this connection and checks out another (a fresh one if need be).
-            raise sa.exc.DisconnectionError(f"connection failed its liveness ping: {exc}") from exc
+            # As ``pool_pre_ping`` does: a dead idle connection most likely means the server
+            # restarted, so every pooled connection is replaced, this one at once.
+            raise sa.exc.InvalidatePoolError(f"connection failed its liveness ping: {exc}") from exc
 
 
 def _migrations_dir() -> str:
