@@ -76,9 +76,9 @@ PING_AFTER_IDLE_S = 2.0
 """A pooled PostgreSQL connection is pinged at checkout only after this long unused.
 SQLAlchemy's ``pool_pre_ping`` pinged at every checkout: one more round trip for each ingest
 transaction and each loop pass (two of a small batch's eight round trips), each a wake-up of a
-server process and of the waiting thread on a busy host. A connection used within the last 2 s was alive then; a server restart inside that window costs
-the one transaction that meets a dead connection (503: the agent retries the same batch; a loop
-pass is retried by the sweep). Its failed rollback makes SQLAlchemy invalidate the whole pool, so
+server process and of the waiting thread on a busy host. A connection used within the last 2 s
+was alive then; a server restart inside that window costs the one transaction that meets a dead
+connection (503: the agent retries the same batch; a loop pass is retried by the sweep). Its failed rollback makes SQLAlchemy invalidate the whole pool, so
 the next checkouts reconnect. Idle connections (a quiet service, a dashboard's reads) keep their
 ping (``tests/service/test_pool_liveness.py``)."""
 
