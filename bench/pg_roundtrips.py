@@ -1,6 +1,7 @@
 """Round trips to PostgreSQL per small batch: one ingest transaction and one loop pass, counted
 from libpq's protocol trace (a round trip = the client sends, then waits for what the server
-sends back). The connection pool's ping, done before a checkout is traced, adds one to each.
+sends back). A pooled connection idle for over ``PING_AFTER_IDLE_S`` is pinged at checkout first
+(one more round trip); the batches here follow each other closely, so none is.
 
     python bench/pg_roundtrips.py            # a healthy batch
     python bench/pg_roundtrips.py --nan      # the batch that triggers a decision (NaN loss, inf amax)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from sqlalchemy.engine import Engine, make_url
 from fp8guard.service.errors import SchemaNotAtHead
 
 __all__ = [
+    "PING_AFTER_IDLE_S",
     "alembic_config",
     "current_revision",
     "downgrade",
@@ -63,9 +65,51 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             cur.close()
 
         return engine
-    kwargs.setdefault("pool_pre_ping", True)
+    ping_after_idle_s = kwargs.pop("ping_after_idle_s", PING_AFTER_IDLE_S)
     kwargs.setdefault("pool_size", 8)
-    return sa.create_engine(url, **kwargs)
+    engine = sa.create_engine(url, **kwargs)
+    _Liveness(engine, ping_after_idle_s).install()
+    return engine
+
+
+PING_AFTER_IDLE_S = 2.0
+"""A pooled PostgreSQL connection is pinged at checkout only after this long unused.
+SQLAlchemy's ``pool_pre_ping`` pinged at every checkout: one more round trip for each ingest
+transaction and each loop pass (two of a small batch's eight round trips), each a wake-up of a
+server process and of the waiting thread on a busy host. A connection used within the last 2 s
+was alive then; a server restart inside that window costs the one transaction that meets a dead
+connection (503: the agent retries the same batch; a loop pass is retried by the sweep). Its failed rollback makes SQLAlchemy invalidate the whole pool, so
+the next checkouts reconnect. Idle connections (a quiet service, a dashboard's reads) keep their
+ping (``tests/service/test_pool_liveness.py``)."""
+
+_IDLE_SINCE = "fp8guard_idle_since"
+
+
+class _Liveness:
+    """Checkout-time liveness for one engine's pool (PostgreSQL): ping what was idle."""
+
+    def __init__(self, engine: sa.Engine, idle_s: float) -> None:
+        self.engine = engine
+        self.idle_s = idle_s
+
+    def install(self) -> None:
+        sa.event.listen(self.engine, "checkin", self.checkin)
+        sa.event.listen(self.engine, "checkout", self.checkout)
+
+    def checkin(self, dbapi_conn: Any, record: Any) -> None:
+        if dbapi_conn is not None:
+            record.info[_IDLE_SINCE] = time.monotonic()
+
+    def checkout(self, dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        since = record.info.get(_IDLE_SINCE)
+        if since is None or time.monotonic() - since < self.idle_s:
+            return  # connected just now (a reconnect clears ``info``), or used moments ago
+        try:
+            self.engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:
+            # As ``pool_pre_ping`` does: a dead idle connection most likely means the server
+            # restarted, so every pooled connection is replaced, this one at once.
+            raise sa.exc.InvalidatePoolError(f"connection failed its liveness ping: {exc}") from exc
 
 
 def _migrations_dir() -> str:

@@ -145,8 +145,9 @@ class LoopTxn:
         if self._conn.dialect.name == "postgresql":
             # No WAL flush wait at commit: a pass lost in a crash leaves its queue rows, so its batches
             # are judged again (findings and the queue's deletion commit or vanish together).
-            sql.run(self._conn, "SET LOCAL synchronous_commit TO OFF")
-            sql.run(self._conn, "SELECT pg_advisory_xact_lock(?, ?)", (LOOP_LOCK_CLASS, self.run_pk))
+            # One statement for both (psycopg's Python per statement is a pass's main cost).
+            sql.run(self._conn, "SELECT set_config('synchronous_commit', 'off', true), pg_advisory_xact_lock(?, ?)",
+                    (LOOP_LOCK_CLASS, self.run_pk))
         else:  # a write first: SQLite's one write lock, held to commit, orders passes of every process
             sql.run(self._conn, "DELETE FROM loop_queue WHERE 0")
         self._locked = True

@@ -107,23 +107,23 @@ class Store:
             yield session
             session.commit()
         except ServiceError:
-            session.rollback()
+            self._rollback(session)
             raise
         except sa.exc.OperationalError as exc:
-            session.rollback()
+            self._rollback(session)
             log.warning("database unavailable: %s", exc.orig)
             raise StorageUnavailable(f"the database is unavailable, retry later ({type(exc.orig).__name__})") from exc
         except sa.exc.IntegrityError as exc:
-            session.rollback()
+            self._rollback(session)
             raise Conflict(f"the data conflicts with what is stored: {exc.orig}") from exc
         except sa.exc.DataError as exc:
-            session.rollback()
+            self._rollback(session)
             raise InvalidPayload(f"a value does not fit the database: {exc.orig}") from exc
         except Exception as exc:
             # Statements of ``store/sql.py`` run on the driver's cursor: its (DB-API) errors are
             # translated here too, and reported to ``on_database_error`` (SQLAlchemy's own errors
             # reach its ``handle_error`` listeners).
-            session.rollback()
+            self._rollback(session)
             dbapi = self.engine.dialect.dbapi
             if dbapi is None or not isinstance(exc, dbapi.Error):
                 raise
@@ -137,6 +137,15 @@ class Store:
             raise StorageUnavailable(f"the database is unavailable, retry later ({type(exc).__name__})") from exc
         finally:
             session.close()
+
+    def _rollback(self, session: Session) -> None:
+        """Roll back after a failure; a rollback that fails too (the connection was lost: the
+        server restarted, or killed it) is not what the caller reports. SQLAlchemy has invalidated
+        the pool (its connections reconnect at their next checkout)."""
+        try:
+            session.rollback()
+        except sa.exc.DBAPIError as exc:
+            log.warning("database connection lost: %s", exc.orig)
 
     # -- writes ---------------------------------------------------------------------------
 
