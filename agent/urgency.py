@@ -49,11 +49,12 @@ two-step answer of bench/scenarios.py). Past it a streak hurries at powers of tw
 _EAGER_PROBES = 4
 """Boundaries of a trip streak at which the trip forces a harm probe every time. What the closed
 loop needs from a trip is the gap at its start: a reading out of the band bisects (a probe's
-reading lands a step later), and the harm of an FP8 anomaly reaches the loss within a step or
-two of the trip that saw it (the heal scenario: the loss trips at 170, the fallback applies at
-171). A loss that stays high re-measures the same gap: past these, a streak probes on new
-evidence and at powers of two only (8, 16, 32, ...), 8 probes over 100 tripped steps instead of
-100 (two forwards each)."""
+reading is read a step later) and its finding is the evidence a fallback needs; a few probes
+cover a harm that grows over the trip's first steps. With 4, bench/scenarios.py's decisions are
+those of a probe at every tripped step (heal: fallback at 171, one step after the unguarded loss
+left its band). A loss that stays high re-measures the same gap: past these, a streak probes on
+new evidence and at powers of two only (8, 16, 32, ...): 8 probes over 100 tripped steps
+instead of 99, two forwards each (tests/agent/test_urgency.py)."""
 
 
 class CommandBoundary:
