@@ -12,7 +12,12 @@ A trip that persists (a loss that stays high for many steps) is one incident: th
 at its first boundary at once, at every boundary of its first ``_EAGER_BOUNDARIES``, then only
 when a quantity not seen in it trips too (new evidence) or at streak boundaries 32, 64, 128, ...;
 the flushes every ``flush_interval_steps`` ship the rest as usual. An applied command, or a
-boundary whose check did not fire, ends the incident."""
+boundary whose check did not fire, ends the incident.
+
+The harm probe a trip forces (two extra forwards, :mod:`fp8guard.agent.harm`) backs off sooner:
+at the incident's first ``_EAGER_PROBES`` boundaries, on new evidence, at streak boundaries 8,
+16, 32, ...; a new incident (after an applied command: does the gap close?) probes at once
+again. The probes due every ``harm_interval_steps`` run as usual."""
 
 from __future__ import annotations
 
@@ -41,6 +46,16 @@ divergence rules take 3), and the tripwire's verdict reaches the host a step or 
 step: 16 covers a rule that decides late in a streak, so its step still ships at once (the
 two-step answer of bench/scenarios.py). Past it a streak hurries at powers of two only."""
 
+_EAGER_PROBES = 4
+"""Boundaries of a trip streak at which the trip forces a harm probe every time. What the closed
+loop needs from a trip is the gap at its start: a reading out of the band bisects (a probe's
+reading is read a step later) and its finding is the evidence a fallback needs; a few probes
+cover a harm that grows over the trip's first steps. With 4, bench/scenarios.py's decisions are
+those of a probe at every tripped step (heal: fallback at 171, one step after the unguarded loss
+left its band). A loss that stays high re-measures the same gap: past these, a streak probes on
+new evidence and at powers of two only (8, 16, 32, ...): 8 probes over 100 tripped steps
+instead of 99, two forwards each (tests/agent/test_urgency.py)."""
+
 
 class CommandBoundary:
     """Owned by one Monitor: its tripwire, the urgency state, and where commands apply."""
@@ -65,6 +80,8 @@ class CommandBoundary:
         self._streak_bits = 0
         """Verdict bits seen in the current incident (``tripwire.SHARED`` / ``LOCAL``)."""
         self._streak_applied = 0
+        self._streak_probe = False
+        """Whether the last fired check that ``_news`` counted is one that forces a harm probe."""
         self.tick = 0
         """Monitor.step calls so far: the same count on every rank, whatever the step numbers do
         (a rollback moves them back); the tripwire's fixed-lag read is counted in these."""
@@ -86,11 +103,13 @@ class CommandBoundary:
         if fired is None:
             self._unanswered_waits = 0  # the streak of trips, if any, has ended
             return
-        # Does the anomaly cost the loss? Probe this step (one process: a rank-local trip must
-        # not start forwards that other ranks of a sharded model would not join).
-        self.probe_now = self._m.world_size == 1
         seen = self.tripwire.last_peeked  # the verdict peek just returned
-        if seen is None or self._news(seen.tick, seen.bits):
+        news = seen is None or self._news(seen.tick, seen.bits)
+        # Does the anomaly cost the loss? Probe this step (one process: a rank-local trip must
+        # not start forwards that other ranks of a sharded model would not join), at an
+        # incident's start and on the streak's back-off (``_EAGER_PROBES``).
+        self.probe_now = self._m.world_size == 1 and (seen is None or self._streak_probe)
+        if news:
             log.warning("fp8guard: the tripwire fired at step %d; shipping telemetry now", fired)
             self.hurry(current)
 
@@ -105,7 +124,9 @@ class CommandBoundary:
         self._streak_tick = tick
         new_bits, self._streak_bits = bits & ~self._streak_bits, self._streak_bits | bits
         k = self._streak
-        return bool(new_bits) or k <= _EAGER_BOUNDARIES or k & (k - 1) == 0
+        back_off = k & (k - 1) == 0
+        self._streak_probe = bool(new_bits) or k <= _EAGER_PROBES or back_off
+        return bool(new_bits) or k <= _EAGER_BOUNDARIES or back_off
 
     def hurry(self, current: int) -> None:
         """Ship what is recorded now and listen for the decision (a tripped tripwire, a measured

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +50,70 @@ def test_new_evidence_and_a_new_incident_ship_at_once(tmp_path: Path) -> None:
     shipped = _urgent_flushes(tmp_path, losses, norms)
     assert 60 in shipped and 59 not in shipped and 61 not in shipped, shipped
     assert 81 in shipped, shipped
+
+
+def _forced_probes(tmp_path: Path, losses: list[float], grad_norms: list[float],
+                   commands: dict[int, dict[str, Any]] | None = None) -> tuple[list[int], int]:
+    """Train an emulated-FP8 model through ``monitor.step`` with these reported scalars (the probe's
+    own forwards compute the model's real, healthy loss: no harm to bisect), regular probes far
+    away (every 1,000 steps); the steps that probed and the probe's forwards."""
+    from fp8guard.agent import emulate_fp8
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    fp8 = emulate_fp8(model)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    path = tmp_path / "p.jsonl"
+    monitor = Monitor(MonitorConfig(run_id="probe", flush_interval_steps=1000, flush_interval_s=3600.0,
+                                    tripwire_wait_s=0.0, harm_interval_steps=1000),
+                      transport=JsonlFileTransport(path))
+    monitor.attach(model)
+    for step, (loss, norm) in enumerate(zip(losses, grad_norms, strict=True)):
+        if commands and step in commands:
+            monitor.receive_commands([commands[step]])  # applies at this step's boundary
+        torch.nn.functional.mse_loss(model(x), y).backward()  # a training forward: FP8 state to probe with
+        fp8.update()
+        model.zero_grad()
+        monitor.step(torch.tensor(loss), grad_norm=torch.tensor(norm),
+                     loss_fn=lambda: torch.nn.functional.mse_loss(model(x), y))
+    harm = monitor._harm
+    assert harm is not None
+    forwards = harm.forwards
+    monitor.close()
+    steps = [s for line in path.read_text().splitlines() for s in json.loads(line)["steps"]]
+    return [s["step"] for s in steps if "fp8_loss_gap" in s], forwards
+
+
+def test_a_persisting_trip_probes_at_its_start_then_backs_off(tmp_path: Path) -> None:
+    """A loss that stays 10x high from step 20 to step 119 trips at every step. Each trip used to
+    force a probe (two forwards, 200 over the incident); the incident probes at its first steps,
+    then at streak 8, 16, 32, 64 only."""
+    losses = [1.0] * 20 + [10.0] * 100
+    probed, forwards = _forced_probes(tmp_path, losses, [1.0] * len(losses))
+    assert probed[0] == 21, probed  # the trip's verdict is read, and the probe runs, at the next step
+    assert probed[:4] == list(range(probed[0], probed[0] + 4)), probed
+    assert len(probed) <= 4 + 4, probed
+    assert forwards == 2 * len(probed), (forwards, probed)
+
+
+def test_new_evidence_and_a_new_incident_probe_again(tmp_path: Path) -> None:
+    """Within a persisting loss trip, the gradient norm tripping too probes at its step; after a
+    step without a trip, the next trip is a new incident and probes at once."""
+    losses = [1.0] * 20 + [10.0] * 60 + [1.0] + [10.0] * 5 + [1.0] * 3
+    norms = [1.0] * len(losses)
+    norms[60] = 100.0
+    probed, _ = _forced_probes(tmp_path, losses, norms)
+    # a trip's verdict is read, and the probe runs, at the next step
+    assert 61 in probed and 60 not in probed and 62 not in probed, probed
+    assert 82 in probed, probed
+
+
+def test_an_applied_command_probes_again(tmp_path: Path) -> None:
+    """A command applied during a persisting trip (a fallback: does the gap close?) starts a new
+    incident: the next trip probes at once, and at the incident's first steps again."""
+    losses = [1.0] * 20 + [10.0] * 100
+    fallback = {"id": 1, "kind": "fallback", "reason": "r", "modules": ["0"]}
+    probed, _ = _forced_probes(tmp_path, losses, [1.0] * len(losses), commands={50: fallback})
+    # the command applies at step 50's boundary and drops the verdicts pending then (step 50's):
+    # step 51's trip, read at step 52, is the new incident's first
+    assert probed[probed.index(36) + 1:probed.index(36) + 6] == [52, 53, 54, 55, 59], probed
