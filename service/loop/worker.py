@@ -112,7 +112,11 @@ class LoopWorker:
                 self._dirty.appendleft(run_pk)
             else:
                 self._dirty.append(run_pk)
-            self._cv.notify()
+            # All, not one: the sweep thread and drain() wait on the same condition, and a single
+            # notify that woke the sweep (which waits for _stop only) was lost; the run then sat in
+            # _dirty, already marked queued so later marks did not notify again, until another
+            # run's batch came ("the closed loop did not catch up" in the scenario runs).
+            self._cv.notify_all()
         elif urgent:
             self._dirty.remove(run_pk)
             self._dirty.appendleft(run_pk)
@@ -179,7 +183,15 @@ class LoopWorker:
                 self._queued.discard(run_pk)
                 self._urgent.discard(run_pk)
                 self._busy.add(run_pk)
-            self._judge(run_pk)
+            try:
+                self._judge(run_pk)
+            except Exception:
+                # A worker thread never dies: with both gone nothing would judge again and every
+                # run's decisions would stop in silence. The run's batches stay queued; the sweep
+                # marks it again. (Reached when the one-by-one fallback cannot read the queue, or
+                # the command notification fails.)
+                self.stats.failures += 1
+                log.exception("fp8guard loop: judging run %s failed; the sweep retries it", run_pk)
 
     def _judge(self, run_pk: int) -> None:
         more = False

@@ -314,3 +314,38 @@ def test_a_run_whose_batch_went_non_finite_is_judged_first(store: Store) -> None
         worker.submit(stored.run_pk, stored.queue_id, decoded)
     worker.run_pending()
     assert order == [pks["nan"], pks["inf"], pks["calm-a"], pks["calm-b"]]
+
+
+def test_a_worker_thread_survives_a_failing_pass_and_the_run_is_judged_later(store: Store) -> None:
+    """An exception escaping a pass (here: the command notification) does not kill the loop's
+    thread, and the next run's batch wakes it although the sweep thread, waiting on the same
+    condition, now waits ahead of it (a single notify went to the sweep and was lost: this test
+    failed 2 runs in 3 that way before ``_mark`` notified all)."""
+    from fp8guard.service.alerts.config import AlertSettings
+    from fp8guard.service.loop.judge import Judge
+    from fp8guard.service.loop.worker import LoopWorker
+
+    calls: list[str] = []
+
+    def on_commands(run_id: str, pending: Any) -> None:
+        calls.append(run_id)
+        if len(calls) == 1:
+            raise RuntimeError("notification failed")
+
+    worker = LoopWorker(store, Judge(AlertSettings()), threads=1, sweep_interval_s=0.05,  # type: ignore[arg-type]
+                        on_commands=on_commands)
+    worker.start()
+    try:
+        for run, body in (("first", _inf_batch("first")), ("second", _inf_batch("second"))):
+            store.register_run(RunSpec(run_id=run))
+            decoded = decode_batch(IngestBatchIn.model_validate(body))
+            stored = store.ingest(decoded)
+            assert stored.run_pk is not None
+            worker.submit(stored.run_pk, stored.queue_id, decoded)
+            assert worker.drain(timeout=30)
+        assert calls == ["first", "second"]  # the thread that failed on "first" judged "second"
+        assert worker.stats.failures == 1
+        assert all(t.is_alive() for t in worker._workers)
+    finally:
+        worker.close()
+
