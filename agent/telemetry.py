@@ -177,12 +177,15 @@ class GradNorm:
     list with the one the tables point at; only when it differs are the tables re-pointed (the
     new gradients checked for contiguity, dtype and size, the addresses uploaded without a host
     sync). Why every call and not every N calls: after ``zero_grad(set_to_none=True)`` autograd
-    allocates new gradients each step; the caching allocator usually hands back the same
-    addresses, but nothing guarantees it, and a table pointing at freed memory would read
+    allocates new gradients each step, at new addresses (on the H200 the tables were re-pointed
+    at every step of every run: ``grad_norm_repointed`` in docs/gpu-results/gpu_host_cost.*.json),
+    and a table pointing at freed memory would read
     another tensor's values or, after ``torch.cuda.empty_cache()``, unmapped memory (a CUDA
     error that ends the run). Holding the old gradients to keep the memory valid would double
     the gradients' memory. So the addresses are compared each call (about 0.1-0.3 us per
-    parameter on a CPU, the only per-call work that grows with the model), and uploaded rarely.
+    parameter on a CPU) and, under ``set_to_none``, uploaded every step: that upload is the
+    per-step host work that still grows with the model (217-891 us at 12-96 layers on the H200).
+    With gradients kept between steps (``set_to_none=False``) the tables are pointed once.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *,
