@@ -23,7 +23,7 @@ from tests.helpers import batch
 @pytest.fixture
 def pg_url(migrated_url: str) -> str:
     if not migrated_url.startswith("postgresql"):
-        pytest.skip("kills PostgreSQL backends")
+        pytest.skip("PostgreSQL only: it kills the service's own PostgreSQL backends (the postgresql case runs)")
     return migrated_url
 
 
