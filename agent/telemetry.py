@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, is_, methodcaller
+from operator import attrgetter, is_
 from typing import Any, Literal
 
 import torch
@@ -156,8 +156,9 @@ class StepRing:
 _grad = attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
-_is_contiguous = methodcaller("is_contiguous")
+_is_contiguous = torch.Tensor.is_contiguous
 _dtype = attrgetter("dtype")
+_device_index = torch.Tensor.get_device
 
 
 class GradNorm:
@@ -184,7 +185,9 @@ class GradNorm:
     error that ends the run). Holding the old gradients to keep the memory valid would double
     the gradients' memory. So the addresses are compared each call (about 0.1-0.3 us per
     parameter on a CPU) and, under ``set_to_none``, uploaded every step: that upload is the
-    per-step host work that still grows with the model (217-891 us at 12-96 layers on the H200).
+    per-step host work that still grows with the model (217-891 us at 12-96 layers on the H200
+    with per-gradient Python checks; now C-level maps: on a 2-core CPU 1,152 moved gradients
+    381 us against 839, unchanged ones 130 us against 199).
     With gradients kept between steps (``set_to_none=False``) the tables are pointed once.
     """
 
@@ -204,9 +207,10 @@ class GradNorm:
         for i, p in enumerate(self._params):
             groups.setdefault((p.device, p.dtype), []).append(i)
         self._groups = list(groups.values())
-        self._keys = list(groups)
         self._tables: list[TableSumOfSquares] = []
         self._numels = [p.numel() for p in self._params]
+        self._dtypes = [p.dtype for p in self._params]
+        self._device_indices = [p.get_device() for p in self._params]
         self._pointed: list[int] | None = None
         """The gradient addresses the tables point at (None: not pointed yet)."""
         self.repointed = 0
@@ -233,23 +237,26 @@ class GradNorm:
     def __call__(self) -> torch.Tensor | None:
         """The norm as a 0-d float32 device tensor; None when no parameter has a gradient."""
         if self._tables:
+            grads: list[Any] = list(map(_grad, self._params))
             try:  # C-level walk; a parameter without a gradient raises here (None has no data_ptr)
-                ptrs: list[int] | None = list(map(_data_ptr, map(_grad, self._params)))
+                ptrs: list[int] | None = list(map(_data_ptr, grads))
             except (TypeError, RuntimeError):  # None, or a gradient without storage
                 ptrs = None
-            if ptrs is not None and (ptrs == self._pointed or self._repoint(ptrs)):
+            if ptrs is not None and (ptrs == self._pointed or self._repoint(grads, ptrs)):
                 return self._table_norm()
         return self._foreach()
 
-    def _repoint(self, ptrs: list[int]) -> bool:
-        """The gradients moved (or this is the first call): check them and re-point the tables."""
-        grads: list[Any] = list(map(_grad, self._params))
-        if not all(map(_is_contiguous, grads)) or list(map(_numel, grads)) != self._numels:
+    def _repoint(self, grads: list[Any], ptrs: list[int]) -> bool:
+        """The gradients moved (or this is the first call): check them and re-point the tables.
+
+        Every check is a C-level map, compared with what the tables were built for: PyTorch
+        already refuses a ``.grad`` of another dtype, device or size than its parameter, but a
+        parameter itself may have changed since attach (``p.data = ...``, ``model.to(...)``)."""
+        if not all(map(_is_contiguous, grads)) or list(map(_numel, grads)) != self._numels \
+                or list(map(_dtype, grads)) != self._dtypes or list(map(_device_index, grads)) != self._device_indices:
             return False
-        for table, members, (_, dtype) in zip(self._tables, self._groups, self._keys, strict=True):
-            if any(grads[i].dtype != dtype or grads[i].device != table.device for i in members):
-                return False
-            if not table.point([ptrs[i] for i in members]):
+        for table, members in zip(self._tables, self._groups, strict=True):
+            if not table.point(ptrs if len(members) == len(ptrs) else list(map(ptrs.__getitem__, members))):
                 self._pointed = None  # some tables may point at the new gradients: re-point all next call
                 return False
         self._pointed = ptrs

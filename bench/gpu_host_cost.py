@@ -71,6 +71,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sync-steps", type=int, default=6)
+    p.add_argument("--profile-steps", type=int, default=10,
+                   help="monitor.step calls under cProfile per depth (GPU idle before each; 0: none)")
     p.add_argument("--parts", default="sweep,ratios", help="which parts to run: sweep, ratios or both")
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no new part after this long; ratio rounds stop 40 s later (at least 4 rounds)")
@@ -79,6 +81,7 @@ def _args() -> argparse.Namespace:
     if a.smoke:
         a.layers, a.hidden, a.seq, a.batch = "2,4,8", 32, 8, 2
         a.steps, a.idle_steps, a.rounds, a.block, a.warmup, a.sync_steps = 4, 3, 2, 2, 1, 0
+        a.profile_steps = min(a.profile_steps, 2)
     return a
 
 
@@ -248,6 +251,7 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         env.sync()
         m.opt.zero_grad(set_to_none=True)
     norm_gpu = _norm_gpu_probe(env, m, monitor)
+    profile = _profile_step(env, m, monitor, a.profile_steps) if a.profile_steps else None
     delayed = getattr(src, "_delayed", None)
     point = {
         "grad_norm_gpu": norm_gpu,
@@ -261,11 +265,31 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         "monitor_step_host_us_in_loop": _stats(in_loop), "monitor_step_host_us_idle": _stats(idle),
         "grad_norm_host_us_idle": _stats(norm_us), "te_read_host_us_idle": _stats(read_us),
         "monitor_broken": bool(monitor._broken),
+        "monitor_step_profile": profile,
     }
     monitor.close()
     del monitor, m, src, buf
     env.free()
     return point
+
+
+def _profile_step(env: Env, m: TEModel, monitor: Any, steps: int) -> dict[str, Any]:
+    """Where ``monitor.step``'s host time goes at this depth: cProfile over ``steps`` calls, each
+    after a training step and a synchronise (GPU idle), functions sorted by their own time."""
+    from bench._host_profile import profile_host
+
+    held: list[Any] = [None]
+
+    def body() -> None:
+        m.opt.zero_grad(set_to_none=True)
+        held[0] = m.forward_backward()
+        m.opt.step()
+        env.sync()
+
+    report = profile_host(env.torch, lambda: monitor.step(held[0]), steps=steps, before=body, top=20,
+                          sort="tottime")
+    m.opt.zero_grad(set_to_none=True)
+    return report
 
 
 def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, repeats: int = 5) -> dict[str, Any] | None:

@@ -121,8 +121,8 @@ _TABLE = textwrap.dedent("""
     norm = GradNorm(params, backend="table")
     held = []  # earlier gradients stay alive: new ones cannot reuse their addresses
     out = []
-    for step in range(5):
-        if step in (0, 2):  # new gradient tensors, as after zero_grad(set_to_none=True)
+    for step in range(7):
+        if step in (0, 2, 5):  # new gradient tensors, as after zero_grad(set_to_none=True)
             for p in params:
                 held.append(p.grad)
                 p.grad = (torch.randn(p.shape, generator=g) * (step + 1)).to(p.dtype)
@@ -132,8 +132,12 @@ _TABLE = textwrap.dedent("""
         elif step == 3:  # a non-contiguous gradient: that call takes the foreach path
             held.append(params[4].grad)
             params[4].grad = torch.randn(33, 2, generator=g).t()
-        else:  # a parameter without a gradient: the foreach path over the others
+        elif step == 4:  # a parameter without a gradient: the foreach path over the others
             params[4].grad = None
+        else:  # a parameter changed dtype after the tables were built (p.data = ...): foreach
+            held.append(params[0].grad)
+            params[0].data = params[0].data.float()
+            params[0].grad = torch.randn(params[0].shape, generator=g)
         grads = [p.grad for p in params if p.grad is not None]
         ref = sum(float(t.double().square().sum()) for t in grads) ** 0.5
         out.append({"table": float(norm()), "ref": ref, "foreach": float(norm_of_grads(grads)),
@@ -150,9 +154,10 @@ def test_table_grad_norm_under_the_interpreter() -> None:
     for s in steps:
         assert s["table"] == pytest.approx(s["ref"], rel=1e-6), s
     # re-pointed at the first call and when the gradients moved, not when only their values changed
-    assert [s["repointed"] for s in steps] == [1, 1, 2, 2, 2]
-    assert steps[3]["table"] == steps[3]["foreach"] and steps[4]["table"] == steps[4]["foreach"]  # the fallbacks
-    assert len({s["ref"] for s in steps}) == 5
+    assert [s["repointed"] for s in steps] == [1, 1, 2, 2, 2, 3, 3]
+    for fallback in (3, 4, 6):  # non-contiguous, missing, and a parameter whose dtype changed
+        assert steps[fallback]["table"] == steps[fallback]["foreach"]
+    assert len({s["ref"] for s in steps}) == 7
 
 
 # -- every way the two variants could differ, pinned against TE's formulas on the cast's bytes --
