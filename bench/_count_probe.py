@@ -200,7 +200,7 @@ def sweep(ops: list[Operand], repeats: int = 3) -> dict[str, Any]:
     try:
         for variant in ("hp", "bytes"):
             kernels.COUNT_SHAPES.update(saved)
-            _run(ops, ref, variant)
+            _run(ops, ref.zero_(), variant)  # each variant's own reference (the kernels accumulate)
             for shape in SWEEP:
                 kernels.COUNT_SHAPES[variant] = shape
                 try:

@@ -252,6 +252,7 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         m.opt.zero_grad(set_to_none=True)
     norm_gpu = _norm_gpu_probe(env, m, monitor)
     profile = _profile_step(env, m, monitor, a.profile_steps) if a.profile_steps else None
+    walks = _grad_walks(env, m)
     delayed = getattr(src, "_delayed", None)
     point = {
         "grad_norm_gpu": norm_gpu,
@@ -266,11 +267,43 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         "grad_norm_host_us_idle": _stats(norm_us), "te_read_host_us_idle": _stats(read_us),
         "monitor_broken": bool(monitor._broken),
         "monitor_step_profile": profile,
+        "grad_walk_us": walks,
     }
     monitor.close()
     del monitor, m, src, buf
     env.free()
     return point
+
+
+def _grad_walks(env: Env, m: TEModel, repeats: int = 15) -> dict[str, Any]:
+    """Host microseconds of each C-level walk over the gradients that GradNorm makes per call
+    (the reads) and per re-pointing (the checks), median of ``repeats``: what a per-gradient cost is
+    made of on this host."""
+    import operator
+
+    torch = env.torch
+    m.opt.zero_grad(set_to_none=True)
+    m.forward_backward()
+    params = [p for p in m.model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    walks: dict[str, Callable[[], object]] = {
+        "grad": lambda: list(map(operator.attrgetter("grad"), params)),
+        "data_ptr": lambda: list(map(torch.Tensor.data_ptr, grads)),
+        "is_contiguous": lambda: all(map(torch.Tensor.is_contiguous, grads)),
+        "numel": lambda: list(map(torch.Tensor.numel, grads)),
+        "dtype": lambda: list(map(operator.attrgetter("dtype"), grads)),
+        "get_device": lambda: list(map(torch.Tensor.get_device, grads)),
+    }
+    out: dict[str, Any] = {"gradients": len(grads)}
+    for name, walk in walks.items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            walk()
+            times.append(_us_since(t0))
+        out[name] = round(statistics.median(times), 1)
+    m.opt.zero_grad(set_to_none=True)
+    return out
 
 
 def _profile_step(env: Env, m: TEModel, monitor: Any, steps: int) -> dict[str, Any]:

@@ -91,6 +91,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--value-steps", type=int, default=3)
     p.add_argument("--heal-steps", type=int, default=30)
     p.add_argument("--sync-steps", type=int, default=10)
+    p.add_argument("--flush-steps", type=int, default=50,
+                   help="the monitor's flush_interval_steps (the slow monitored blocks: flush-related or not)")
     p.add_argument("--budget-s", type=float, default=150.0, help="overhead rounds stop early past this share")
     p.add_argument("--diagnose-steps", type=int, default=0,
                    help="profile the host side of monitor.step over this many steps (bench/_host_profile.py)")
@@ -283,6 +285,7 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
                 loop.step(mode)
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
     host_us: list[float] = []
+    slow: list[tuple[float, int, float]] = []  # (whole step's host us, monitor step, monitor.step's host us)
     rounds = 0
     for r in range(a.rounds):
         if r >= 2 and time.perf_counter() > deadline:
@@ -294,12 +297,16 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
                 t0 = time.perf_counter()
                 for _ in range(a.block):
                     if mode == "monitor":  # the host time of monitor.step itself, in the timed loop
+                        s0 = time.perf_counter()
+                        at = loop.monitor.next_step
                         loss = loop.forward_backward()
                         loop.opt.step()
                         c0 = time.perf_counter()
                         loop.monitor.step(loss)
-                        host_us.append((time.perf_counter() - c0) * 1e6)
+                        c1 = time.perf_counter()
+                        host_us.append((c1 - c0) * 1e6)
                         loop.opt.zero_grad(set_to_none=True)
+                        slow.append(((time.perf_counter() - s0) * 1e6, at, (c1 - c0) * 1e6))
                     else:
                         loop.step(mode)
                 sync()
@@ -313,6 +320,13 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
         "paired_ratio_monitor_median": statistics.median(
             m / p for m, p in zip(per_step["monitor"], per_step["plain"], strict=True)),
         "monitor_step_host_us_median": statistics.median(host_us) if host_us else None,
+        "flush_interval_steps": a.flush_steps,
+        # the monitored steps whose host time (the whole step, not synchronised) was longest: where a
+        # stall sits, and whether it falls on the flush cadence (step % flush_interval_steps)
+        "slowest_monitored_steps": [{"step": at, "step_host_ms": round(us / 1e3, 2), "monitor_step_host_ms": round(m / 1e3, 2),
+                                     "step_mod_flush": at % a.flush_steps if a.flush_steps else None}
+                                    for us, at, m in sorted(slow, reverse=True)[:8]],
+        "monitored_step_host_ms_median": round(statistics.median(u for u, _, _ in slow) / 1e3, 2) if slow else None,
         "blocks_ms_per_step": per_step}
     return res
 
@@ -497,7 +511,7 @@ def run_recipe(torch: Any, float8: Any, a: argparse.Namespace, recipe: str, devi
     if "values" in parts:
         _guard(lambda: part_values(torch, loop, a.value_steps), out, "values")
     remediator = Remediator(model=model)
-    loop.monitor = Monitor(MonitorConfig(url=None, sources=["torchao"], flush_interval_steps=50,
+    loop.monitor = Monitor(MonitorConfig(url=None, sources=["torchao"], flush_interval_steps=a.flush_steps,
                                          count_interval_steps=0), transport=NullTransport()).attach(
         model, opt, handler=remediator)
     try:
