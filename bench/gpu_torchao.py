@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -284,6 +285,17 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
             for _ in range(a.warmup):
                 loop.step(mode)
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
+    gc_ms: dict[str, dict[int, list[float]]] = {m: {0: [], 1: [], 2: []} for m in MODES}
+    current = [MODES[0]]
+    gc_t0 = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:  # Python's collections, timed per mode
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            gc_ms[current[0]][info["generation"]].append((time.perf_counter() - gc_t0[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
     host_us: list[float] = []
     slow: list[tuple[float, int, float]] = []  # (whole step's host us, monitor step, monitor.step's host us)
     rounds = 0
@@ -292,6 +304,7 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
             break
         order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
         for mode in order:
+            current[0] = mode
             with source_off(loop.model) if mode.startswith("plain") else contextlib.nullcontext():
                 sync()
                 t0 = time.perf_counter()
@@ -312,6 +325,7 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
                 sync()
             per_step[mode].append((time.perf_counter() - t0) / a.block * 1e3)
         rounds += 1
+    gc.callbacks.remove(on_gc)
     ms = {m: statistics.median(v) for m, v in per_step.items()}
     launches = {m: _launches(torch, loop, m) for m in ("plain", "monitor")} if cuda else None
     res: dict[str, Any] = {
@@ -327,7 +341,11 @@ def part_overhead(torch: Any, loop: Loop, a: argparse.Namespace, deadline: float
                                      "step_mod_flush": at % a.flush_steps if a.flush_steps else None}
                                     for us, at, m in sorted(slow, reverse=True)[:8]],
         "monitored_step_host_ms_median": round(statistics.median(u for u, _, _ in slow) / 1e3, 2) if slow else None,
-        "blocks_ms_per_step": per_step}
+        "blocks_ms_per_step": per_step,
+        # Python's garbage collections during each mode's timed blocks: count and longest, per generation
+        "gc_per_mode": {m: {f"gen{g}": {"count": len(v), "max_ms": round(max(v), 1) if v else 0.0,
+                                        "total_ms": round(sum(v), 1)} for g, v in gens.items()}
+                        for m, gens in gc_ms.items()}}
     return res
 
 
