@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fp8guard import wire  # noqa: E402
-from fp8guard.agent import Monitor, MonitorConfig, emulate_fp8  # noqa: E402
+from fp8guard.agent import Monitor, MonitorConfig  # noqa: E402
 from fp8guard.agent.command_desk import CommandDesk  # noqa: E402
 from fp8guard.agent.commands import Command, Outcome, parse_command  # noqa: E402
 from fp8guard.agent.remediation import Remediator  # noqa: E402
