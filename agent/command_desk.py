@@ -34,15 +34,21 @@ class CommandDesk:
 
     def receive(self, commands: Iterable[Mapping[str, Any] | Command]) -> None:
         """Queue commands (any thread); raw JSON is validated here, at the boundary, and a
-        malformed command is logged and dropped."""
+        malformed command is logged and dropped; a copy of a command applied or queued already is
+        dropped too."""
         for raw in commands:
-            if isinstance(raw, Command):
-                self.inbox.append(raw)
-                continue
             try:
-                self.inbox.append(parse_command(raw))
+                command = raw if isinstance(raw, Command) else parse_command(raw)
             except ValueError as exc:
                 log.error("fp8guard: ignoring a malformed command from the service: %s", exc)
+                continue
+            # The service delivers a command more than once (each ingest answer and the long-poll
+            # carry every pending command until its acknowledgement is stored): a copy of one applied
+            # (or being applied: its id is recorded first) or already queued is not a new command.
+            # Left in the inbox it would read as an answer and end the wait for the next decision.
+            if command.id in self.applied_ids or any(c.id == command.id for c in tuple(self.inbox)):
+                continue
+            self.inbox.append(command)
 
     @property
     def last_applied(self) -> int:

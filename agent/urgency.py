@@ -155,12 +155,14 @@ class CommandBoundary:
             self._await_decision()
             if not every_n:
                 self.broadcasts += 1
-        if every_n or extra:
+        if m.world_size == 1 and self._urgent_until is not None:
+            # One process that hurried waits for the decision at this boundary, a regular one
+            # (every N) included: checking an empty inbox there applied the decision steps later.
+            self._urgent_check(current)
+        elif every_n or extra:
             # Every rank reaches this at the same step: the broadcast in check_commands must be
             # entered by all of them.
             m._check_commands(current)
-        elif m.world_size == 1 and self._urgent_until is not None:
-            self._urgent_check(current)
         elif m.world_size == 1 and m._desk.inbox:
             # One process needs no broadcast: a command that has arrived applies at this step.
             m._check_commands(current)

@@ -2,6 +2,8 @@
 
     python bench/gpu_heal.py --out DIR                    # Transformer Engine on a GPU
     python bench/gpu_heal.py --backend emulation --small  # the same story on the CPU (emulated FP8)
+    python bench/gpu_heal.py --outlier 1e4 --noise        # + the unguarded run again: run-to-run noise
+    python bench/gpu_heal.py --runs fp8_unguarded,fp8_unguarded_again   # the noise check alone
 
 The model is fp8guard's byte-level GPT (``fp8guard.nanogpt``) trained on the Python standard
 library's sources; on the GPU every Linear (the head included) is a ``te.Linear`` under
@@ -23,7 +25,15 @@ The three runs:
    and records what it would do, but sends nothing);
 2. ``fp8_guarded``: FP8, fp8guard service + agent acting (BF16 fallback, re-promotion with a
    fresh FP8 state, checkpoint rollback, whatever its policy decides);
-3. ``bf16``: the same training in BF16.
+3. ``bf16``: the same training in BF16;
+4. with ``--noise`` (or named in ``--runs``): ``fp8_unguarded_again``, the unguarded run once more
+   with nothing changed. Two runs under the same empty action list differ by the platform's
+   run-to-run noise alone (on the CPU they are bit-identical; on a GPU nondeterministic kernels
+   can make them drift): ``noise`` reports where their losses first differ and their held-out
+   ratio, and ``same_as_unguarded`` where every other FP8 run's losses first leave the unguarded
+   run's (a guarded run that received no command should not, beyond that noise).
+   ``--deterministic`` asks torch, cuBLAS and TE for deterministic kernels (slower), to tell
+   the two apart.
 
 Reported: the loss curves, each run's findings and actions with their steps, when the
 unguarded run's loss left the BF16 curve (the "spike": the first step after the incident where
@@ -123,6 +133,10 @@ def _to_te(model: Any) -> None:
                 if child.bias is not None:
                     new.bias.copy_(child.bias)
             setattr(parent, child_name, new)
+
+
+RUNS = ("fp8_unguarded", "fp8_guarded", "bf16", "fp8_unguarded_again")
+"""The runs this bench knows; ``fp8_unguarded_again`` repeats ``fp8_unguarded`` (the noise check)."""
 
 
 def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: Path) -> dict[str, Any]:
@@ -302,7 +316,24 @@ def main() -> None:
     parser.add_argument("--harm-interval", dest="harm_interval", type=int)
     parser.add_argument("--count-interval", dest="count_interval", type=int)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--runs", default="fp8_unguarded,fp8_guarded,bf16",
+                        help=f"comma list of {', '.join(RUNS)} (in this order of training)")
+    parser.add_argument("--noise", action="store_true",
+                        help="also run fp8_unguarded_again: the unguarded run twice (run-to-run noise)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels (torch, cuBLAS workspace, TE's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)")
     args = parser.parse_args()
+    modes = [m for m in RUNS if m in args.runs.split(",") or (args.noise and m == "fp8_unguarded_again")]
+    unknown = set(args.runs.split(",")) - set(RUNS)
+    if unknown or not modes:
+        parser.error(f"--runs: unknown {sorted(unknown)}; choose from {', '.join(RUNS)}")
+    if args.deterministic:
+        # Before CUDA, cuBLAS or TE start: they read these once.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = HealConfig(backend=args.backend)
     if args.small:
         cfg = HealConfig(backend=args.backend, steps=300, n_layer=2, n_head=2, n_embd=64, block_size=64,
@@ -327,10 +358,10 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     try:
-        for mode in ("fp8_unguarded", "fp8_guarded", "bf16"):
+        for mode in modes:
             run_id = f"heal-{mode.replace('_', '-')}-{stamp}"
             if mode != "bf16":
-                guard = dict(GUARD, dry_run=mode == "fp8_unguarded")
+                guard = dict(GUARD, dry_run=mode.startswith("fp8_unguarded"))
                 api.put(f"/v1/runs/{run_id}", json={"model": "byte-gpt", "guard": guard,
                                                     "recipe": {"backend": cfg.backend, "history": cfg.history}}
                         ).raise_for_status()
@@ -360,11 +391,15 @@ def main() -> None:
     finally:
         api.close()
         service.close()
-    bf16 = runs["bf16"]["losses"]
-    unguarded = runs["fp8_unguarded"]["losses"]
-    spike = _spike_step(unguarded, bf16, cfg.incident)
+    bf16 = runs["bf16"]["losses"] if "bf16" in runs else None
+    unguarded = runs["fp8_unguarded"]["losses"] if "fp8_unguarded" in runs else None
+    spike = _spike_step(unguarded, bf16, cfg.incident) if unguarded and bf16 else None
     first = {m: min((f["step"] for f in runs[m].get("findings", []) if f["step"] >= cfg.incident), default=None)
-             for m in ("fp8_unguarded", "fp8_guarded")}
+             for m in ("fp8_unguarded", "fp8_guarded") if m in runs}
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(runs[a]["val_loss"] / runs[b]["val_loss"], 4) if a in runs and b in runs else None
+
     result = {
         "bench": "gpu_heal", "config": asdict(cfg), "guard": GUARD,
         "device": _device_name(cfg),
@@ -374,13 +409,18 @@ def main() -> None:
                      f"geometrically over the first {cfg.ramp_batches} batches"),
         "unguarded_loss_leaves_bf16_at": spike,
         "first_finding_step": first,
-        "steps_to_apply": runs["fp8_guarded"].get("steps_to_apply"),
+        "steps_to_apply": runs["fp8_guarded"].get("steps_to_apply") if "fp8_guarded" in runs else None,
         "detected_steps_before_spike": (spike - first["fp8_guarded"])
-        if spike is not None and first["fp8_guarded"] is not None else None,
+        if spike is not None and first.get("fp8_guarded") is not None else None,
         "val_loss": {m: round(r["val_loss"], 4) for m, r in runs.items()},
         "final_train_loss": {m: round(r["final_train_loss"], 4) for m, r in runs.items()},
-        "guarded_vs_bf16": round(runs["fp8_guarded"]["val_loss"] / runs["bf16"]["val_loss"], 4),
-        "unguarded_vs_bf16": round(runs["fp8_unguarded"]["val_loss"] / runs["bf16"]["val_loss"], 4),
+        "guarded_vs_bf16": ratio("fp8_guarded", "bf16"),
+        "unguarded_vs_bf16": ratio("fp8_unguarded", "bf16"),
+        "same_as_unguarded": {m: same_as(runs[m], runs["fp8_unguarded"]) for m in runs
+                              if m not in ("fp8_unguarded", "bf16") and "fp8_unguarded" in runs},
+        "noise": same_as(runs["fp8_unguarded_again"], runs["fp8_unguarded"])
+        if "fp8_unguarded_again" in runs and "fp8_unguarded" in runs else None,
+        "deterministic": args.deterministic,
         "runs": runs, "seconds": round(time.perf_counter() - started, 1),
     }
     line = json.dumps(result, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
@@ -388,6 +428,19 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_heal.json").write_text(line + "\n")
+
+
+def same_as(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """How far ``run`` is from ``reference`` (the unguarded run): whether every step's training loss
+    is bit-identical, the first step where they differ, the largest relative difference of a step's
+    loss, the commands ``run`` applied, and the ratio of their held-out losses."""
+    a, b = run["losses"], reference["losses"]
+    diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    rel = max((abs(x - y) / abs(y) for x, y in zip(a, b, strict=True) if y), default=0.0)
+    applied = sum(1 for act in run.get("actions", []) if act.get("status") == "applied")
+    return {"identical_losses": a == b, "first_diff_step": diff[0] if diff else None,
+            "max_rel_step_diff": rel, "commands_applied": applied,
+            "val_ratio": run["val_loss"] / reference["val_loss"]}
 
 
 def _device_name(cfg: HealConfig) -> str:

@@ -5,6 +5,8 @@
 #   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
 #   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
+#   bash bench/gpu_suite.sh heal-1e4   # the 1e4 outlier ($HEAL_1E4_ARGS passed on, e.g. --noise:
+#                                      # the unguarded run twice, run-to-run noise; --deterministic)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
 #   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
 #   bash bench/gpu_suite.sh torchao-overhead  # torchao float8: values (both ways) and overhead only, ~2.5 min
@@ -59,7 +61,8 @@ for what in "$@"; do
         part heal 300 python3 bench/gpu_heal.py --out "$OUT" ${HEAL_ARGS:-}
       else
         mkdir -p "$OUT/heal_1e4"
-        part heal_1e4 200 python3 bench/gpu_heal.py --outlier 1e4 --out "$OUT/heal_1e4"
+        # shellcheck disable=SC2086  # HEAL_1E4_ARGS is a list of flags
+        part heal_1e4 280 python3 bench/gpu_heal.py --outlier 1e4 --out "$OUT/heal_1e4" ${HEAL_1E4_ARGS:-}
       fi ;;
     counts-time)
       part counts_time 240 python3 bench/gpu_counts.py time --out "$OUT" ;;
