@@ -20,8 +20,10 @@ def _urgent_flushes(tmp_path: Path, losses: list[float], grad_norms: list[float]
     """Train a plain model through ``monitor.step`` with these scalars, regular flushes far away
     (ring of 1,000 steps, an hour); the last step of every batch shipped before ``close``."""
     path = tmp_path / "t.jsonl"
+    # Which steps ship is under test, not the shipper's back-pressure: a queue that never drops
+    # (16 flushes come back to back, and a starved shipper thread would drop the oldest past 8).
     monitor = Monitor(MonitorConfig(run_id="urgency", flush_interval_steps=1000, flush_interval_s=3600.0,
-                                    tripwire_wait_s=0.0, harm_interval_steps=0),
+                                    tripwire_wait_s=0.0, harm_interval_steps=0, max_pending_flushes=1000),
                       transport=JsonlFileTransport(path))
     monitor.attach(torch.nn.Linear(4, 4))
     for loss, norm in zip(losses, grad_norms, strict=True):
