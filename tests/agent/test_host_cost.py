@@ -164,6 +164,7 @@ def test_grad_norm_is_bitwise_the_previous_value(dtypes: tuple[Any, ...]) -> Non
 _INTERPRETED = textwrap.dedent("""
     import collections, json, sys, torch
     from fp8guard.agent import kernels
+    from fp8guard.agent.kernels import history_gather, table_norm
     from fp8guard.agent.sources import te_access
     from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, STATS
     from tests import fake_te
@@ -171,7 +172,7 @@ _INTERPRETED = textwrap.dedent("""
 
     assert kernels.triton_available(torch.device("cpu"))
     launches = collections.Counter()
-    real = kernels._table_kernels()
+    real = (table_norm._kernel(), history_gather._kernel())
 
     class Counted:  # the real kernel, launched as it is; each launch counted
         def __init__(self, name, kernel):
@@ -182,7 +183,8 @@ _INTERPRETED = textwrap.dedent("""
             return self.kernel[grid]
 
     counted = (Counted("table_sumsq", real[0]), Counted("history_gather", real[1]))
-    kernels._table_kernels = lambda: counted
+    table_norm._kernel = lambda: counted[0]
+    history_gather._kernel = lambda: counted[1]
     result = {}
     for layers in (4, 32):
         launches.clear()
