@@ -6,6 +6,7 @@
 #   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
+#   bash bench/gpu_suite.sh tripwire-tests  # the tripwire's one-launch check against its torch ops, compiled
 #   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
 #   bash bench/gpu_suite.sh torchao-overhead  # torchao float8: values (both ways) and overhead only, ~2.5 min
 #   bash bench/gpu_suite.sh torchao-tests  # the torchao source's CPU tests against the installed torchao
@@ -84,6 +85,11 @@ for what in "$@"; do
       fi ;;
     te-tests)
       part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source.py -x ;;
+    tripwire-tests)
+      # every test of both files: the CUDA ones (kernel against torch ops, compiled; no sync) and the
+      # interpreter's (each in a fresh process)
+      part tripwire_tests 240 python3 -m pytest -q -p no:cacheprovider -m "" tests/agent/test_tripwire_kernel.py \
+        tests/agent/test_tripwire.py ;;
     *) echo "unknown part $what" >&2; exit 2 ;;
   esac
 done

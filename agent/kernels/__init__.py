@@ -8,6 +8,7 @@ One concept per module:
 - :mod:`.staging`: device tables of addresses, uploaded without a host sync;
 - :mod:`.table_norm`: the gradients' sum of squares in one launch (:class:`TableSumOfSquares`);
 - :mod:`.history_gather`: TE's delayed-scaling reads in one launch (:class:`HistoryGather`);
+- :mod:`.tripwire_check`: the tripwire's per-step check in one launch, bit for bit its torch ops';
 
 Triton is optional (the agent's dependencies stay torch and httpx): every caller has a torch
 path that runs where Triton or a GPU is missing. Triton's CPU interpreter (``TRITON_INTERPRET=1``)
