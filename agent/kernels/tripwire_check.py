@@ -53,6 +53,7 @@ def _kernel() -> Any:
                                                 "bits_ptr"])
     def tripwire_check_kernel(loss_ptr, norm_ptr, sat_ptr, state_ptr, params_ptr, bits_ptr, n_sat,  # type: ignore[no-untyped-def]
                               HAS_LOSS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_SAT: tl.constexpr,
+                              LOSS_BF16: tl.constexpr, NORM_BF16: tl.constexpr,
                               LOCAL: tl.constexpr, SHARED: tl.constexpr, SAT_BLOCK: tl.constexpr,
                               SAT_ITERS: tl.constexpr):
         # Lane 0 is the loss, lane 1 the gradient norm; the comments name the torch path's ops.
@@ -60,8 +61,18 @@ def _kernel() -> Any:
         bits = tl.full([], 0, tl.int32)
         if HAS_LOSS or HAS_NORM:
             # a missing quantity is NaN: it changes nothing, trips nothing
-            xl = tl.load(loss_ptr).to(tl.float32) if HAS_LOSS else float("nan")
-            xn = tl.load(norm_ptr).to(tl.float32) if HAS_NORM else float("nan")
+            # BF16 is the top half of a float32: widened by an integer shift, so no conversion
+            # instruction (nor the interpreter's emulation of one) can flush a subnormal to zero
+            if HAS_LOSS:
+                xl = (tl.load(loss_ptr.to(tl.pointer_type(tl.int16))).to(tl.int32) << 16).to(tl.float32, bitcast=True) \
+                    if LOSS_BF16 else tl.load(loss_ptr).to(tl.float32)
+            else:
+                xl = float("nan")
+            if HAS_NORM:
+                xn = (tl.load(norm_ptr.to(tl.pointer_type(tl.int16))).to(tl.int32) << 16).to(tl.float32, bitcast=True) \
+                    if NORM_BF16 else tl.load(norm_ptr).to(tl.float32)
+            else:
+                xn = float("nan")
             x = tl.where(lane == 0, xl, xn)
             seen = tl.load(state_ptr + lane)
             base = tl.load(state_ptr + 2 + lane)
@@ -157,8 +168,8 @@ class TripwireCheck:
         has_sat = saturation is not None and saturation.numel() > 0
         sat_t = saturation if saturation is not None and has_sat else dummy
         n_sat = sat_t.numel() if has_sat else 0
-        consts = (loss is not None, grad_norm is not None, has_sat, self.local, self.shared, _SAT_BLOCK,
-                  -(-n_sat // _SAT_BLOCK))
+        consts = (loss is not None, grad_norm is not None, has_sat, loss_t.dtype == torch.bfloat16,
+                  norm_t.dtype == torch.bfloat16, self.local, self.shared, _SAT_BLOCK, -(-n_sat // _SAT_BLOCK))
         self.launches += 1
         args = (loss_t, norm_t, sat_t, self.state, self.params, self.bits, n_sat)
         if self._fast:
@@ -179,7 +190,8 @@ class TripwireCheck:
         return self.bits
 
     def _jit(self, args: tuple[Any, ...], consts: tuple[Any, ...]) -> Any:
-        has_loss, has_norm, has_sat, local, shared, sat_block, sat_iters = consts
-        return _kernel()[(1,)](*args, HAS_LOSS=has_loss, HAS_NORM=has_norm, HAS_SAT=has_sat, LOCAL=local,
+        has_loss, has_norm, has_sat, loss_bf16, norm_bf16, local, shared, sat_block, sat_iters = consts
+        return _kernel()[(1,)](*args, HAS_LOSS=has_loss, HAS_NORM=has_norm, HAS_SAT=has_sat, LOSS_BF16=loss_bf16,
+                               NORM_BF16=norm_bf16, LOCAL=local,
                                SHARED=shared, SAT_BLOCK=sat_block, SAT_ITERS=sat_iters, num_warps=1,
                                enable_fp_fusion=False)

@@ -5,7 +5,7 @@ same module's CUDA test (the compiled kernel, where fused multiply-adds or a flu
 conversion would show). Each run is a random configuration and a random sequence of steps: a
 warm-up, losses and gradient norms that drift, jump, fall (the early reference follows a lower
 norm), rise over the early bounds for a few steps in a row, are NaN, +/-inf, negative or zero, or
-missing; saturation ratios absent, empty, or up to 2,500 of them (several kernel blocks) with
+missing, or float32 subnormals; saturation ratios absent, empty, or up to 2,500 of them (several kernel blocks) with
 values at, just over and just under the threshold's float32 value, NaN and inf; losses in
 float32, BF16, FP16 and float64 (which the kernel leaves to the torch ops).
 """
@@ -37,7 +37,7 @@ def _value(rng: random.Random, level: float, step: int, blowup: range) -> float 
     if r < 0.17:
         return rng.choice([math.nan, math.inf, -math.inf])
     if r < 0.20:
-        return rng.choice([0.0, -0.0, -level])
+        return rng.choice([0.0, -0.0, -level, 1e-40, level * 1e-38])  # subnormal: no flush to zero
     if r < 0.30:
         return level * rng.uniform(1.0, 40.0)  # a jump, or over the early bound
     if r < 0.36:
