@@ -128,6 +128,10 @@ class MonitorConfig:
     """Under torch.distributed, MAX-all-reduce each step's tripwire verdict (one int, enqueued on
     the device: no host sync, but a tiny collective per step), so that per-rank quantities (the
     loss, non-replicated amaxes) count for the two-step answer too, not only the gradient norm."""
+    tripwire_backend: str = "auto"
+    """How the tripwire's per-step check runs: ``triton`` as one kernel launch
+    (``fp8guard.agent.kernels.tripwire_check``), ``torch`` as some forty small torch ops (the
+    reference: the same state and verdicts bit for bit), ``auto`` the kernel on CUDA with Triton."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Reserved for integrations."""
 
@@ -183,6 +187,8 @@ class MonitorConfig:
             raise ConfigError("tripwire_warmup_steps and tripwire_wait_s must be >= 0")
         if not 1 <= self.tripwire_lag_steps <= 16:
             raise ConfigError(f"tripwire_lag_steps must be between 1 and 16, got {self.tripwire_lag_steps}")
+        if self.tripwire_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"tripwire_backend must be 'auto', 'torch' or 'triton', got {self.tripwire_backend!r}")
         if self.harm_interval_steps < 0 or self.harm_warmup_probes < 1:
             raise ConfigError("harm_interval_steps must be >= 0 (0: no probe) and harm_warmup_probes >= 1")
         if not (self.harm_band_z > 0 and self.harm_min_gap > 0):

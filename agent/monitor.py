@@ -164,7 +164,8 @@ class Monitor:
                                       all_reduce=cfg.tripwire_all_reduce and self.world_size > 1,
                                       early_loss_rise=cfg.tripwire_early_loss_rise,
                                       early_grad_factor=cfg.tripwire_early_grad_factor,
-                                      early_steps=cfg.tripwire_early_steps)
+                                      early_steps=cfg.tripwire_early_steps,
+                                      backend=cfg.tripwire_backend)  # type: ignore[arg-type]
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)

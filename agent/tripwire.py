@@ -1,7 +1,9 @@
 """``Tripwire``: a device-side check of every step's telemetry that tells the host, a step or
 two later and without a per-step sync, that something is wrong right now.
 
-Per step it enqueues a few scalar ops on the device: a non-finite loss or gradient norm, a loss
+Per step it enqueues one check on the device (one Triton launch on CUDA,
+``fp8guard.agent.kernels.tripwire_check``; elsewhere some forty small torch ops, bit for bit the
+same): a non-finite loss or gradient norm, a loss
 or gradient norm far above its running baseline (exponential averages kept on the device), or a
 saturation ratio far above the FP8 maximum. Before the baseline has its ``warmup_steps`` values,
 the bounds are the service's early ones, over fewer steps in a row: a loss above the run's first
@@ -45,9 +47,13 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from fp8guard.agent.kernels import triton_available
+from fp8guard.agent.kernels.tripwire_check import PARAMS, TripwireCheck
 
 __all__ = ["LOCAL", "SHARED", "Tripwire", "Verdict"]
 
@@ -92,9 +98,16 @@ class Tripwire:
 
     def __init__(self, device: torch.device, *, loss_factor: float, grad_factor: float, saturation: float,
                  warmup_steps: int, use_loss: bool = True, lag_steps: int = 2, all_reduce: bool = False,
-                 early_loss_rise: float = 0.05, early_grad_factor: float = 20.0, early_steps: int = 2) -> None:
+                 early_loss_rise: float = 0.05, early_grad_factor: float = 20.0, early_steps: int = 2,
+                 backend: Literal["auto", "torch", "triton"] = "auto") -> None:
+        """``backend``: ``triton`` runs the check as one launch (:mod:`fp8guard.agent.kernels.tripwire_check`,
+        CUDA with Triton, or Triton's CPU interpreter), ``torch`` as some forty small torch ops (the
+        reference, bit for bit the same state and verdicts), ``auto`` the kernel where Triton runs
+        on CUDA tensors."""
         if lag_steps < 1:
             raise ValueError(f"lag_steps must be >= 1, got {lag_steps}")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"tripwire backend must be 'auto', 'torch' or 'triton', got {backend!r}")
         self.device = device
         self.loss_factor = float(loss_factor)
         self.grad_factor = float(grad_factor)
@@ -108,27 +121,32 @@ class Tripwire:
         self.all_reduce = all_reduce
         """MAX-all-reduce each verdict over the default process group (every rank must check at
         every step boundary then, as the monitor does): all bits become shared."""
-        self._baseline = torch.zeros(2, device=device)  # loss, grad norm averages
-        self._seen = torch.zeros(2, device=device)
-        # Before the warm-up ends: the first loss and the smallest gradient norm (the reference of
-        # the early bounds), and how many checks in a row were over them.
-        self._early_ref = torch.zeros(2, device=device)
-        self._early_run = torch.zeros(2, device=device)
+        # The state, float32, columns loss and grad norm (the kernel's layout, rows as views): the
+        # checks counted into the baseline, the baseline averages, and before the warm-up ends the
+        # first loss and the smallest gradient norm (the reference of the early bounds) and how
+        # many checks in a row were over them.
+        self._state = torch.zeros(4, 2, dtype=torch.float32, device=device)
+        self._seen, self._baseline, self._early_ref, self._early_run = self._state.unbind(0)
         # constants of the check, on the device once (a per-step torch.tensor() would copy from
-        # the host, which synchronises)
+        # the host, which synchronises); both paths read the same float32 values
+        values = {"loss_factor": self.loss_factor, "grad_factor": self.grad_factor, "early_mul_loss": 1.0,
+                  "early_grad_factor": self.early_grad_factor, "early_loss_rise": self.early_loss_rise,
+                  "early_abs_grad": 0.0, "warmup_steps": float(self.warmup_steps),
+                  "early_steps": float(self.early_steps), "ema": _EMA, "saturation": self.saturation}
+        self._params = torch.tensor([values[name] for name in PARAMS], dtype=torch.float32, device=device)
         self._bit_values = torch.tensor([LOCAL, SHARED], dtype=torch.int32, device=device)
-        self._factors = torch.tensor([self.loss_factor, self.grad_factor], device=device)
-        self._nan = torch.full((), float("nan"), device=device)
+        self._factors = self._params[0:2]
+        self._nan = torch.full((), float("nan"), dtype=torch.float32, device=device)
         self._present = torch.eye(2, dtype=torch.bool, device=device)
         """Row i: only quantity i was passed."""
-        self._bound_mul = torch.tensor([1.0, self.early_grad_factor], device=device)
-        self._bound_abs = torch.tensor([self.early_loss_rise, 0.0], device=device)
+        self._bound_mul = self._params[2:4]
+        self._bound_abs = self._params[4:6]
         self._lowers = torch.tensor([False, True], device=device)
         """Only the gradient norm's reference follows a lower value (the loss keeps its first)."""
         # Every intermediate of the check, allocated once: a step's check writes into these
         # (``out=``) and allocates nothing.
-        self._x = torch.empty(2, device=device)
-        self._f = [torch.empty(2, device=device) for _ in range(2)]
+        self._x = torch.empty(2, dtype=torch.float32, device=device)
+        self._f = [torch.empty(2, dtype=torch.float32, device=device) for _ in range(2)]
         self._b = {name: torch.empty(2, dtype=torch.bool, device=device)
                    for name in ("finite", "warm", "cold", "first", "later", "jump", "over", "early", "lower", "take",
                                 "ok", "tripped")}
@@ -137,6 +155,12 @@ class Tripwire:
         self._sat_bit = torch.zeros((), dtype=torch.int32, device=device)
         self._sat_any = torch.zeros((), dtype=torch.bool, device=device)
         self._sat_over: torch.Tensor | None = None
+        use_kernel = backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available(device))
+        if use_kernel and not triton_available(device):
+            raise ValueError(f"tripwire backend 'triton' needs Triton for {device} tensors")
+        self._kernel = TripwireCheck(self._state, self._params, self._bits, local=LOCAL, shared=SHARED) \
+            if use_kernel else None
+        """The one-launch check, or None: the torch ops."""
         cuda = device.type == "cuda"
         # One word per check that can be pending: the lag's worth, the one just enqueued, and a spare.
         self._capacity = self.lag_steps + 2
@@ -169,7 +193,24 @@ class Tripwire:
         if tick < self._next_tick:
             return
         self._next_tick = tick + 1
-        bits = self._scalar_bits(loss if self.use_loss else None, grad_norm)
+        loss = loss if self.use_loss else None
+        kernel = self._kernel
+        if kernel is not None and kernel.accepts(loss) and kernel.accepts(grad_norm) and \
+                kernel.accepts(saturation, saturation=True):
+            bits = kernel(loss, grad_norm, saturation)  # one launch: the torch ops below, fused
+        else:
+            bits = self._torch_bits(loss, grad_norm, saturation)
+        self._publish(bits, step, tick)
+
+    @property
+    def backend(self) -> str:
+        """``triton`` (the one-launch check) or ``torch``."""
+        return "torch" if self._kernel is None else "triton"
+
+    def _torch_bits(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
+                    saturation: torch.Tensor | None) -> torch.Tensor:
+        """The check as torch ops: the reference of the kernel, and its fallback."""
+        bits = self._scalar_bits(loss, grad_norm)
         if saturation is not None and saturation.numel():
             over = self._sat_over
             if over is None or over.shape != saturation.shape:
@@ -178,6 +219,10 @@ class Tripwire:
             torch.any(over, out=self._sat_any)
             torch.mul(self._sat_any, LOCAL, out=self._sat_bit)
             torch.bitwise_or(bits, self._sat_bit, out=bits)
+        return bits
+
+    def _publish(self, bits: torch.Tensor, step: int, tick: int) -> None:
+        """All-reduce the verdict where asked, then copy it to its host word (non-blocking)."""
         if self.all_reduce and dist.is_available() and dist.is_initialized():
             # One element, enqueued on the device with NCCL (no host sync); every rank checks at
             # every boundary, so every rank enters it.

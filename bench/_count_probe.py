@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from fp8guard.agent import kernels
 from fp8guard.agent.fp8 import Fp8Format, count_from_cast, count_overflow_underflow
+from fp8guard.agent.kernels import counts as kernels
 
 ROLE = {"activation": ("fprop input (and wgrad)", "fwd"), "weight": ("fprop weight (and dgrad)", "fwd"),
         "gradient": ("dgrad/wgrad grad output", "bwd")}

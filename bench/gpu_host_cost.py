@@ -251,6 +251,7 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         env.sync()
         m.opt.zero_grad(set_to_none=True)
     norm_gpu = _norm_gpu_probe(env, m, monitor)
+    tripwire_us = _tripwire_probe(env, monitor, a.idle_steps)
     profile = _profile_step(env, m, monitor, a.profile_steps) if a.profile_steps else None
     walks = _grad_walks(env, m)
     delayed = getattr(src, "_delayed", None)
@@ -265,6 +266,8 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         "step_transient_peak_bytes": peak,
         "monitor_step_host_us_in_loop": _stats(in_loop), "monitor_step_host_us_idle": _stats(idle),
         "grad_norm_host_us_idle": _stats(norm_us), "te_read_host_us_idle": _stats(read_us),
+        "tripwire_backend": monitor._tripwire.backend if monitor._tripwire is not None else None,
+        "tripwire_check_host_us_idle": tripwire_us,
         "monitor_broken": bool(monitor._broken),
         "monitor_step_profile": profile,
         "grad_walk_us": walks,
@@ -303,6 +306,37 @@ def _grad_walks(env: Env, m: TEModel, repeats: int = 15) -> dict[str, Any]:
             times.append(_us_since(t0))
         out[name] = round(statistics.median(times), 1)
     m.opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _tripwire_probe(env: Env, monitor: Any, calls: int) -> dict[str, Any] | None:
+    """Host microseconds of the tripwire's check alone (GPU idle: synchronised before each call),
+    per backend where it runs: the one-launch kernel and the torch ops, each on a fresh tripwire
+    of the monitor's configuration, over the monitor's ring slot 0 (loss, grad norm, saturation)."""
+    from fp8guard.agent.kernels import triton_available
+    from fp8guard.agent.tripwire import Tripwire
+
+    own = monitor._tripwire
+    if own is None:
+        return None
+    ring = monitor._ring
+    loss, norm, sat = ring.scalars[0, 0], ring.scalars[0, 1], ring.saturation(0)
+    out: dict[str, Any] = {}
+    backends = ["triton", "torch"] if triton_available(env.torch.device(env.device)) else ["torch"]
+    for backend in backends:
+        w = Tripwire(own.device, loss_factor=own.loss_factor, grad_factor=own.grad_factor, saturation=own.saturation,
+                     warmup_steps=own.warmup_steps, lag_steps=own.lag_steps, early_loss_rise=own.early_loss_rise,
+                     early_grad_factor=own.early_grad_factor, early_steps=own.early_steps, backend=backend)
+        times: list[float] = []
+        for i in range(3 + max(calls, 5)):
+            env.sync()
+            t0 = time.perf_counter()
+            w.check(i, loss=loss, grad_norm=norm, saturation=sat)
+            if i >= 3:  # the first calls compile and cache
+                times.append(_us_since(t0))
+            w.fired()
+        env.sync()
+        out[backend] = _stats(times)
     return out
 
 

@@ -8,6 +8,7 @@
 #   bash bench/gpu_suite.sh heal-1e4   # the 1e4 outlier ($HEAL_1E4_ARGS passed on, e.g. --noise:
 #                                      # the unguarded run twice, run-to-run noise; --deterministic)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
+#   bash bench/gpu_suite.sh tripwire-tests  # the tripwire's one-launch check against its torch ops, compiled
 #   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
 #   bash bench/gpu_suite.sh torchao-overhead  # torchao float8: values (both ways) and overhead only, ~2.5 min
 #   bash bench/gpu_suite.sh torchao-tests  # the torchao source's CPU tests against the installed torchao
@@ -87,6 +88,11 @@ for what in "$@"; do
       fi ;;
     te-tests)
       part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source.py -x ;;
+    tripwire-tests)
+      # every test of both files: the CUDA ones (kernel against torch ops, compiled; no sync) and the
+      # interpreter's (each in a fresh process)
+      part tripwire_tests 240 python3 -m pytest -q -p no:cacheprovider -m "" tests/agent/test_tripwire_kernel.py \
+        tests/agent/test_tripwire.py ;;
     *) echo "unknown part $what" >&2; exit 2 ;;
   esac
 done

@@ -44,6 +44,9 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
         assert "error" not in point, point
         assert point["columns"] == 12 * int(layers) and not point["monitor_broken"]
         assert point["monitor_step_host_us_in_loop"]["n"] == 4 and point["monitor_buffers_bytes"] > 0
+        # the tripwire's check alone, both ways where the kernel runs (timings: the CPU's, meaningless)
+        assert point["tripwire_backend"] == "torch"  # auto: the kernel on CUDA only
+        assert set(point["tripwire_check_host_us_idle"]) == ({"triton", "torch"} if interpret else {"torch"})
     for result in full["ratios"].values():
         assert "error" not in result, result
         assert result["ratio"] > 0 and not result["monitor_broken"]

@@ -56,3 +56,5 @@ def test_the_wheel_carries_the_page_templates(tmp_path: Path) -> None:
     assert "base.html" in sources and len(sources) >= 6
     assert {f"fp8guard/dashboards/web/templates/{n}" for n in sources} <= names
     assert "fp8guard/service/web/templates.py" in names
+    # every agent subpackage is listed in pyproject's packages (the kernels' too)
+    assert {"fp8guard/agent/kernels/__init__.py", "fp8guard/agent/kernels/tripwire_check.py"} <= names

@@ -78,7 +78,7 @@ def _config(**kw: Any) -> MonitorConfig:
                          harm_interval_steps=0, **kw)
 
 
-def _te_step_cost(layers: int, recipe: Any, norm: str = "auto") -> tuple[list[str], int]:
+def _te_step_cost(layers: int, recipe: Any, norm: str = "auto", tripwire: str = "auto") -> tuple[list[str], int]:
     fake_te.reset()
     with te_access.substitute(fake_te):
         torch.manual_seed(0)
@@ -93,7 +93,8 @@ def _te_step_cost(layers: int, recipe: Any, norm: str = "auto") -> tuple[list[st
 
         forward_backward()
         opt.zero_grad()
-        monitor = Monitor(_config(sources=["te"]), transport=NullTransport()).attach(model, opt)
+        monitor = Monitor(_config(sources=["te"], tripwire_backend=tripwire), transport=NullTransport()).attach(model, opt)
+        assert monitor._tripwire is not None
         if norm != "auto":  # the CUDA default ("table") where the interpreter runs Triton on the CPU
             monitor._grad_norm = GradNorm(model.parameters(), backend=norm)
         assert len(monitor.tensors) >= 6 * layers
@@ -164,6 +165,7 @@ def test_grad_norm_is_bitwise_the_previous_value(dtypes: tuple[Any, ...]) -> Non
 _INTERPRETED = textwrap.dedent("""
     import collections, json, sys, torch
     from fp8guard.agent import kernels
+    from fp8guard.agent.kernels import history_gather, table_norm, tripwire_check
     from fp8guard.agent.sources import te_access
     from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, STATS
     from tests import fake_te
@@ -171,7 +173,7 @@ _INTERPRETED = textwrap.dedent("""
 
     assert kernels.triton_available(torch.device("cpu"))
     launches = collections.Counter()
-    real = kernels._table_kernels()
+    real = (table_norm._kernel(), history_gather._kernel(), tripwire_check._kernel())
 
     class Counted:  # the real kernel, launched as it is; each launch counted
         def __init__(self, name, kernel):
@@ -181,12 +183,16 @@ _INTERPRETED = textwrap.dedent("""
             launches[self.name] += 1
             return self.kernel[grid]
 
-    counted = (Counted("table_sumsq", real[0]), Counted("history_gather", real[1]))
-    kernels._table_kernels = lambda: counted
+    counted = (Counted("table_sumsq", real[0]), Counted("history_gather", real[1]),
+               Counted("tripwire_check", real[2]))
+    table_norm._kernel = lambda: counted[0]
+    history_gather._kernel = lambda: counted[1]
+    tripwire_check._kernel = lambda: counted[2]
     result = {}
     for layers in (4, 32):
         launches.clear()
-        ops, calls = h._te_step_cost(layers, fake_te.DelayedScaling(amax_history_len=8), norm="table")
+        ops, calls = h._te_step_cost(layers, fake_te.DelayedScaling(amax_history_len=8), norm="table",
+                                     tripwire="triton")
         result[layers] = {"ops": ops, "launches": dict(launches)}
 
     # the table read against the torch read, over the same TE state: lengths 8 and 1, a NaN row,
@@ -232,15 +238,16 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_gpu_paths_launch_a_fixed_number_of_kernels_under_the_interpreter() -> None:
-    """The CUDA path of monitor.step (table grad norm, TE read through HistoryGather) run by
-    Triton's CPU interpreter: at 4 and 32 fake TE layers the same torch ops and the same Triton
-    launches (one sum-of-squares launch, one history gather), and the gather's values equal the
-    torch read's, NaN and BF16 fallback included."""
+    """The CUDA path of monitor.step (table grad norm, TE read through HistoryGather, the
+    tripwire's one-launch check) run by Triton's CPU interpreter: at 4 and 32 fake TE layers the
+    same torch ops and the same Triton launches (one sum-of-squares launch, one history gather,
+    one tripwire check), and the gather's values equal the torch read's, NaN and BF16 fallback
+    included."""
     got = run_interpreted(_INTERPRETED, timeout=900)
     shallow, deep = got["4"], got["32"]
     assert shallow["ops"] == deep["ops"], (len(shallow["ops"]), len(deep["ops"]))
-    # three steps: one sum-of-squares launch and one history gather each
-    assert shallow["launches"] == deep["launches"] == {"table_sumsq": 3, "history_gather": 3}
+    # three steps: one sum-of-squares launch, one history gather and one tripwire check each
+    assert shallow["launches"] == deep["launches"] == {"table_sumsq": 3, "history_gather": 3, "tripwire_check": 3}
     assert "aten._foreach_norm.Scalar" not in shallow["ops"] and "aten.cat.default" not in shallow["ops"]
     assert all(v["equal"] for v in got["values"]), got["values"]
     assert any(v["nans"] > 0 and v["nans"] == v["nans_plain"] for v in got["values"])  # the NaN row went through

@@ -1,0 +1,225 @@
+"""Exact FP8 cast counts (:func:`count_cast_into`): overflows and underflows of a cast, on the device.
+
+Counting follows Transformer Engine's ``LogFp8TensorStats`` definitions (see
+:func:`fp8guard.agent.fp8.count_overflow_underflow`) and reads as little as the definition allows.
+Given the FP8 bytes TE produced from the high-precision tensor, an element can only be an underflow
+if its byte is +/-0, and only be an overflow if its byte is the format's maximum (satfinite casts
+clip there; a NaN or inf byte is looked at too): the kernel reads the 1-byte FP8 tensor and fetches
+the 2-byte high-precision value only where the byte says it might count. On real tensors few bytes
+are 0 or max, so the pass reads a little over one byte per element instead of two (on the H200 it
+still streamed slower than the plain variant: docs/gpu.md). Without FP8 bytes it reads the
+high-precision tensor once, using the scale the cast used. The torch path gives the same integers.
+
+Nothing here synchronises with the host: results accumulate into a device buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from fp8guard.agent.fp8 import Fp8Format, count_from_cast, count_overflow_underflow
+from fp8guard.agent.kernels._launch import interpret, launch_shape, triton_available, triton_modules
+
+__all__ = ["COUNT_SHAPES", "count_cast_into"]
+
+_ROWS, _COLS = 64, 64
+"""Counting tile: rows of 64 elements (128 bytes of BF16) decide together whether to fetch."""
+_MAX_CODE = {Fp8Format.E4M3: 0x7E, Fp8Format.E5M2: 0x7B}
+"""Magnitude bits of the largest finite value: 448 (E4M3 0x7E; 0x7F is NaN) and 57344 (E5M2 0x7B;
+0x7C is inf and above are NaN). Bytes at or above it are checked against the threshold."""
+_HP_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_NONZERO_MASK = {torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF, torch.float32: 0x7FFFFFFF}
+"""Zero test on the bits (sign cleared): correct for subnormal inputs whatever the float mode."""
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The compiled count kernel, or None when Triton cannot be imported."""
+    if triton_modules() is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
+    def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
+                     FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
+                     NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
+                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr):
+        # A tile is ROWS x COLS consecutive elements. From FP8 bytes, the high-precision values of
+        # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
+        # predicate is uniform along the row, so the fetch stays a vectorised load.
+        pid = tl.program_id(0)
+        # (9.09e-13, 1.54e-33 and 6.49e32 below are exactly 2**-40, 2**-109 and 2**109.)
+        # TE's threshold: fp8_max * scale_inv, one float32 product. A scale near float32 max (TE's
+        # value when the amax is tiny) has a subnormal scale_inv, which a flush-to-zero multiply
+        # would turn into a threshold of 0: the product is formed from its integer significand
+        # instead (power-of-two rescaling is exact in the normal range, where thr always lies).
+        sinv = tl.load(sinv_ptr)
+        sinv_bits = sinv.to(tl.int32, bitcast=True)
+        sinv_sub = ((sinv_bits & 0x7FFFFFFF) < 0x00800000) & ((sinv_bits & 0x7FFFFF) != 0)
+        thr = tl.where(sinv_sub, (((sinv_bits & 0x7FFFFF).to(tl.float32) * 9.094947017729282e-13) * FP8_MAX) * 1.5407439555097887e-33,
+                       sinv * FP8_MAX)
+        scale = tl.load(scale_ptr)
+        # per-row tallies (not a full tile of them): fewer registers, more programs in flight
+        over = tl.zeros([ROWS], dtype=tl.int32)
+        under = tl.zeros([ROWS], dtype=tl.int32)
+        tile = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        for i in range(ITERS):  # program pid owns tiles pid*ITERS .. pid*ITERS+ITERS-1
+            offs = (pid * ITERS + i) * (ROWS * COLS) + tile
+            inside = offs < n
+            if FROM_BYTES:
+                mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                zero = mag == 0
+                top = mag >= MAX_CODE
+                row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
+                need = inside & row_needs[:, None]
+                bits = tl.load(x_ptr + offs, mask=need, other=0)
+            else:
+                bits = tl.load(x_ptr + offs, mask=inside, other=0)
+            nonzero = (bits & NZ_MASK) != 0
+            # float32 bit patterns by integer moves (BF16 is the top half of a float32), so no
+            # conversion instruction can flush a subnormal input to zero
+            if HP_KIND == 0:
+                b32 = bits.to(tl.int32) << 16
+                x = b32.to(tl.float32, bitcast=True)
+            elif HP_KIND == 1:  # every float16 value, subnormals included, is a normal float32
+                x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+                b32 = x.to(tl.int32, bitcast=True)
+            else:
+                b32 = bits
+                x = bits.to(tl.float32, bitcast=True)
+            big = tl.abs(x) > thr  # NaN compares false, as in TE
+            if FROM_BYTES:
+                over += tl.sum((big & top & need).to(tl.int32), axis=1)
+                under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
+            else:
+                over += tl.sum(big.to(tl.int32), axis=1)
+                # TE's cast rounds the float32 product x * scale; a zero byte is |product| <= half
+                # the smallest subnormal (the tie rounds to even: zero). A subnormal float32 x
+                # (|x| < 2**-126) goes through its integer significand m: x * scale equals
+                # (m * 2**-40 * scale) * 2**-109, and the comparison moves by the same power of
+                # two, which is exact: no flush-to-zero multiply can decide it.
+                mant = b32 & 0x7FFFFF
+                x_sub = ((b32 & 0x7FFFFFFF) < 0x00800000) & (mant != 0)
+                small = tl.where(x_sub, tl.abs((mant.to(tl.float32) * 9.094947017729282e-13) * scale) <= HALF_SUB * 6.490371073168535e+32,
+                                 tl.abs(x * scale) <= HALF_SUB)
+                under += tl.sum((nonzero & small).to(tl.int32), axis=1)
+        tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
+
+    return count_kernel
+
+
+COUNT_SHAPES: dict[str, tuple[int, int, int, int]] = {"hp": (_ROWS, _COLS, 8, 8), "bytes": (_ROWS, _COLS, 8, 8)}
+"""Launch shape per variant: (rows, columns of a tile, programs per multiprocessor, warps). The
+H200 figures of docs/gpu.md were taken with 64 x 64 tiles, 8 programs per SM and 8 warps for both;
+``bench/gpu_counts.py kernels`` times alternatives (it sets this table) before a default moves."""
+
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+"""Compiled count kernels by everything Triton specialises on (see :func:`_launch_count`)."""
+_fast_launch = [True]
+"""Launch through the cached compiled-kernel handle (off after any failure, and under the interpreter)."""
+
+
+def count_cast_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fmt: Fp8Format,
+    fp8_bytes: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Add the exact ``[overflows, underflows]`` of the cast ``x -> fmt`` to ``out`` (int64 ``[2]``).
+
+    ``scale`` and ``scale_inv`` are 1-element float32 device tensors: the scale the cast used
+    and TE's stored reciprocal. Two variants, the same integers whenever ``scale`` is the cast's:
+
+    * without ``fp8_bytes`` (the high-precision variant) it reads ``x`` once and decides each
+      element from the float32 product ``x * scale``, the value TE's cast rounds;
+    * with ``fp8_bytes`` (the cast's rowwise FP8 data, same element order as ``x``) it reads the
+      1-byte tensor and touches ``x`` only where a byte is +/-0 or at/above the maximum code. It
+      needs no ``scale`` at all: the bytes are the cast's own result, so a scale updated in place
+      since (delayed scaling, after the pass) cannot make it wrong.
+
+    ``backend``: ``auto`` (Triton where available), ``triton`` or ``torch``. Enqueues only.
+    """
+    if x.numel() == 0:
+        return
+    if fp8_bytes is not None and (fp8_bytes.numel() != x.numel() or fp8_bytes.element_size() != 1):
+        raise ValueError(f"fp8_bytes has {fp8_bytes.numel()} elements of {fp8_bytes.element_size()} bytes, "
+                         f"the tensor {x.numel()} (one byte each expected)")
+    use_triton = backend == "triton" or (backend == "auto" and triton_available(x.device))
+    if not use_triton or x.dtype not in _HP_KIND or not x.is_contiguous() or (
+            fp8_bytes is not None and not fp8_bytes.is_contiguous()):
+        out.add_(_torch_counts(x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes))
+        return
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("backend='triton' but Triton cannot be imported")
+    rows, cols, per_sm, warps = COUNT_SHAPES["bytes" if fp8_bytes is not None else "hp"]
+    n = x.numel()
+    # Up to per_sm programs per multiprocessor (enough loads in flight to stream at memory
+    # bandwidth), each looping over its tiles; two atomics per program.
+    grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
+    q = fp8_bytes if fp8_bytes is not None else x
+    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
+              fp8_bytes is not None, rows, cols, iters)
+    _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
+
+
+def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...]) -> None:
+    """One launch of the count kernel, through the compiled kernel's own handle when possible.
+
+    Triton's JIT dispatch binds and specialises every argument in Python on each call (about
+    30 us of host time here, 4.8 ms for a step's 144 operands on the H200's host). The compiled
+    kernel's handle skips that: its C launcher only reads the tensors' addresses. It is reused
+    only under the exact key Triton would compute: the constants, each address's 16-byte
+    alignment, and the element count's divisibility by 16, equality to 1 and integer width
+    (a kernel compiled for aligned addresses must never see unaligned ones).
+    """
+    bits_dtype = _BITS_VIEW[x.dtype]
+    if not _fast_launch[0] or interpret() or x.device.type != "cuda":
+        _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
+        return
+    addresses = (x.data_ptr(), q.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), out.data_ptr())
+    key = (consts, bits_dtype, q.element_size(), warps, x.device.index, tuple(a % 16 == 0 for a in addresses),
+           n % 16 == 0, n == 1, n >= 2**31)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        handle = _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
+        if handle is not None and hasattr(handle, "__getitem__"):
+            _COMPILED[key] = handle
+        return
+    try:
+        # the views are the JIT's argument types; the launcher reads data_ptr() alone, so the
+        # tensors themselves go (same addresses), constants in signature order as the JIT passes them
+        compiled[(grid, 1, 1)](x, q, scale, scale_inv, out, n, *consts)
+    except Exception:  # an API drift in Triton's launcher: back to the JIT for good, same result
+        _fast_launch[0] = False
+        _COMPILED.clear()
+        _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
+
+
+def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
+                bits_dtype: torch.dtype) -> Any:
+    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters = consts
+    bits = x.view(bits_dtype).reshape(-1)
+    qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
+    return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
+                           MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
+                           COLS=cols, ITERS=iters, num_warps=warps)
+
+
+def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,
+                  fp8_bytes: torch.Tensor | None) -> torch.Tensor:
+    if fp8_bytes is None:
+        return count_overflow_underflow(x, scale.reshape(()), fmt, scale_inv=scale_inv.reshape(()))
+    return count_from_cast(x, fp8_bytes, scale_inv.reshape(()), fmt)

@@ -1,0 +1,109 @@
+"""``TableSumOfSquares``: the gradients' sum of squares in one Triton launch, whatever their number.
+
+Read through a device table of the tensors' addresses (:class:`~.staging.Staging`); one partial
+per program, so the sum is deterministic. :class:`fp8guard.agent.telemetry.GradNorm` uses it on
+CUDA; its torch path (foreach) gives the same value up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fp8guard.agent.kernels._launch import BLOCK, device_index, max_programs, triton_modules
+from fp8guard.agent.kernels.staging import Staging
+
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The compiled sum-of-squares kernel, or None when Triton cannot be imported."""
+    if triton_modules() is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
+    def table_sumsq_kernel(ptrs_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, out_ptr, n_blocks,  # type: ignore[no-untyped-def]
+                           DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        # Many tensors in one launch: program pid reads blocks pid*ITERS .. pid*ITERS+ITERS-1 of the
+        # block table (tensor index, start), the tensor's address from the pointer table.
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(ITERS):
+            b = pid * ITERS + i
+            valid = b < n_blocks
+            t = tl.load(blk_tensor_ptr + b, mask=valid, other=0)
+            start = tl.load(blk_start_ptr + b, mask=valid, other=0)
+            n = tl.load(numel_ptr + t)
+            base = tl.load(ptrs_ptr + t).to(tl.pointer_type(DTYPE))
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=(offs < n) & valid, other=0.0).to(tl.float32)
+            acc += x * x
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))  # one partial per program: deterministic
+
+    return table_sumsq_kernel
+
+
+class TableSumOfSquares:
+    """``sum(t.float()**2)`` over a fixed list of tensor shapes of one dtype, in one Triton launch.
+
+    Built once for the shapes (e.g. every gradient of a model): device tables of blocks (tensor
+    index, start), of sizes and of the tensors' addresses. The addresses travel only when they
+    change (:meth:`point`, through :class:`~.staging.Staging`: no host sync); a call then costs one
+    launch and one sum, whatever the number of tensors. One program per group of consecutive
+    blocks, one partial each: deterministic. The caller guarantees that the tensors at the
+    addresses pointed to are alive, contiguous, of this dtype and of these sizes at each call.
+    """
+
+    def __init__(self, numels: Sequence[int], dtype: torch.dtype, device: torch.device, *,
+                 block: int = BLOCK) -> None:
+        if _kernel() is None:
+            raise RuntimeError("TableSumOfSquares needs Triton")
+        if dtype not in _TL_DTYPE:
+            raise ValueError(f"TableSumOfSquares: unsupported dtype {dtype}")
+        self.dtype, self.device, self.block = dtype, device, block
+        tensor_of: list[int] = []
+        start_of: list[int] = []
+        for i, n in enumerate(numels):
+            for start in range(0, int(n), block):
+                tensor_of.append(i)
+                start_of.append(start)
+        self.n_blocks = len(tensor_of)
+        self.count = len(numels)
+        # As many programs as fill the GPU eight deep, each over an equal run of blocks (the
+        # run length is exact, not a power of two: one compiled variant per model and dtype).
+        self._iters = max(1, -(-self.n_blocks // max_programs(device_index(device), 8)))
+        self._grid = max(1, -(-self.n_blocks // self._iters))
+        self._blk_tensor = torch.tensor(tensor_of, dtype=torch.int32, device=device)
+        self._blk_start = torch.tensor(start_of, dtype=torch.int64, device=device)
+        self._numel = torch.tensor([int(n) for n in numels], dtype=torch.int64, device=device)
+        self._partials = torch.empty(self._grid, dtype=torch.float32, device=device)
+        self._staging = Staging(torch.zeros(max(1, self.count), dtype=torch.int64, device=device))
+        self.pointed = False
+        """Whether the address table was filled at least once (before that, calls return None)."""
+
+    def point(self, addresses: Sequence[int]) -> bool:
+        """Point the table at the tensors at ``addresses`` (one per shape, in order); False when
+        it could not be done now (see :class:`~.staging.Staging`): the previous addresses stay."""
+        if len(addresses) != self.count:
+            raise ValueError(f"TableSumOfSquares: {len(addresses)} addresses for {self.count} tensors")
+        done = self._staging.upload(addresses) if self.count else True
+        self.pointed = self.pointed or done
+        return done
+
+    def __call__(self) -> torch.Tensor | None:
+        """The sum of squares as a 0-d float32 device tensor (one launch, one sum); None before
+        the first :meth:`point` or without elements."""
+        if not self.pointed or not self.n_blocks:
+            return None
+        import triton.language as tl
+
+        _kernel()[(self._grid,)](
+            self._staging.table, self._blk_tensor, self._blk_start, self._numel, self._partials, self.n_blocks,
+            DTYPE=getattr(tl, _TL_DTYPE[self.dtype]), BLOCK=self.block, ITERS=self._iters, num_warps=8)
+        return self._partials.sum()
