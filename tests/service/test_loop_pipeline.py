@@ -349,3 +349,52 @@ def test_a_worker_thread_survives_a_failing_pass_and_the_run_is_judged_later(sto
     finally:
         worker.close()
 
+
+
+def _calm_batch(run: str, first: int, **kw: Any) -> dict[str, Any]:
+    return batch(run, list(range(first, first + 10)), stats=("amax",), values=_amax(False), n_tensors=12, **kw)
+
+
+def test_healthy_batches_of_a_run_are_gathered_into_one_pass_and_a_non_finite_one_is_not(store: Store) -> None:
+    """With ``gather_s`` a run's healthy batches wait for the first of them to be that old and are
+    judged in one pass; a batch with an infinite amax is judged at once, gathering nothing; drain()
+    judges what waits without waiting out the gathering."""
+    from fp8guard.service.alerts.config import AlertSettings
+    from fp8guard.service.loop.judge import Judge
+    from fp8guard.service.loop.worker import LoopWorker
+
+    worker = LoopWorker(store, Judge(AlertSettings()), threads=1, sweep_interval_s=60, gather_s=0.5)
+    worker.start()
+    try:
+        store.register_run(RunSpec(run_id="gathered"))
+        t0 = time.monotonic()
+        for k in range(3):
+            decoded = decode_batch(IngestBatchIn.model_validate(_calm_batch("gathered", 10 * k)))
+            stored = store.ingest(decoded)
+            assert stored.run_pk is not None
+            worker.submit(stored.run_pk, stored.queue_id, decoded)
+        time.sleep(0.2)
+        assert worker.stats.passes == 0  # still gathering
+        _wait_for(lambda: worker.stats.batches == 3, timeout=10)
+        assert time.monotonic() - t0 >= 0.45
+        assert worker.stats.passes == 1  # three batches, one pass
+
+        store.register_run(RunSpec(run_id="urgent"))
+        decoded = decode_batch(IngestBatchIn.model_validate(_inf_batch("urgent")))
+        stored = store.ingest(decoded)
+        assert stored.run_pk is not None
+        t1 = time.monotonic()
+        worker.submit(stored.run_pk, stored.queue_id, decoded)
+        _wait_for(lambda: worker.stats.batches == 4, timeout=10)
+        assert time.monotonic() - t1 < 0.4  # not gathered
+        assert worker.stats.commands == 1
+
+        decoded = decode_batch(IngestBatchIn.model_validate(_calm_batch("gathered", 30)))
+        stored = store.ingest(decoded)
+        assert stored.run_pk is not None
+        t2 = time.monotonic()
+        worker.submit(stored.run_pk, stored.queue_id, decoded)
+        assert worker.drain(timeout=10)
+        assert worker.stats.batches == 5 and time.monotonic() - t2 < 0.4
+    finally:
+        worker.close()
