@@ -8,11 +8,13 @@ up batches stored by a process that died, or left over when a pass stopped at it
 Batches this process received are kept in memory until judged (bounded), so the common path
 never reads them back.
 
-A run whose unjudged batches are all healthy is judged ``gather_s`` after the first of them came,
-together with whatever else came meanwhile: an agent shipping many batches a second costs one pass
-per few batches rather than one per batch (a pass's fixed work, its lock, reads, state and commit,
-was about half of its CPU for a small batch, under the same GIL as the request path). A batch with
-a non-finite loss, grad norm or amax is judged at once.
+A run that ships faster than one batch per ``gather_s`` has its healthy batches judged
+``gather_s`` after the first of them came, together with whatever else came meanwhile: such an
+agent costs one pass per few batches rather than one per batch (a pass's fixed work, its lock,
+reads, state and commit, was about half of its CPU for a small batch, under the same GIL as the
+request path). A run's batch that follows its previous one by more than ``gather_s`` (a fleet of
+agents each flushing every second or so), and a batch with a non-finite loss, grad norm or amax,
+are judged at once.
 
 Guarantees: every acknowledged batch is judged exactly once (its queue row is deleted in the
 transaction that stores its findings and decisions); batches of one rank are judged in the order
@@ -93,6 +95,8 @@ class LoopWorker:
         runs sending at once, a NaN batch waited up to 45 ms behind fifteen healthy runs' passes."""
         self._since: dict[int, float] = {}
         """Per dirty run: when the first of its batches not yet taken by a pass came (monotonic)."""
+        self._last_batch: OrderedDict[int, float] = OrderedDict()
+        """Per recently seen run: when its last batch was submitted (bounded, oldest dropped)."""
         self._hurry = 0
         """While a drain() waits: take every dirty run at once, gathering nothing."""
         self._held: OrderedDict[int, Batch] = OrderedDict()
@@ -105,12 +109,18 @@ class LoopWorker:
         """A batch of ``run_pk`` is durable (its queue row committed): judge it soon; first, before
         runs with healthy batches, if it carries a non-finite loss, grad norm or amax."""
         urgent = batch is not None and _nonfinite(batch)
+        now = time.monotonic()
         with self._cv:
             if queue_id is not None and batch is not None:
                 self._held[queue_id] = batch
                 while len(self._held) > self.max_held:
                     self._held.popitem(last=False)  # read back from the database when its turn comes
-            self._mark(run_pk, urgent)
+            last = self._last_batch.pop(run_pk, None)
+            self._last_batch[run_pk] = now
+            while len(self._last_batch) > self.max_held:
+                self._last_batch.popitem(last=False)
+            # A run that ships slower than one batch per gather_s has nothing to gather: due now.
+            self._mark(run_pk, urgent, since=None if last is not None and now - last < self.gather_s else 0.0)
 
     def _mark(self, run_pk: int, urgent: bool = False, since: float | None = None) -> None:
         if urgent:
@@ -133,6 +143,7 @@ class LoopWorker:
         elif urgent:
             self._dirty.remove(run_pk)
             self._dirty.appendleft(run_pk)
+            self._cv.notify_all()  # a thread may be waiting out this run's gathering
 
     def _next(self) -> tuple[int | None, float | None]:
         """The dirty run to judge now, or None and how long until one is due (None: none is
