@@ -54,7 +54,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     postgres = store.engine.dialect.name == "postgresql"
     loop = LoopWorker(store, Judge(settings.alerts, batch_limit=settings.loop_batch_limit),
                       threads=settings.loop_threads or (2 if postgres else 1),
-                      sweep_interval_s=settings.loop_sweep_interval_s, on_commands=channel.notify)
+                      sweep_interval_s=settings.loop_sweep_interval_s, gather_s=settings.loop_gather_s,
+                      on_commands=channel.notify)
 
     def judge_soon(batch: Batch, result: IngestResult) -> None:
         if result.run_pk is not None and not result.duplicate:

@@ -83,6 +83,13 @@ class Settings(BaseSettings):
     and 2 on PostgreSQL."""
     loop_batch_limit: int = Field(default=256, ge=1)
     """Most queued batches one closed-loop pass judges before the run's turn passes on."""
+    loop_gather_s: float = Field(default=0.02, ge=0, le=1)
+    """A run that ships faster than one batch per this many seconds has its healthy batches judged
+    this long after the first of them came, with whatever else came meanwhile: one pass for several
+    batches (a pass's fixed work was half its CPU for a small batch). Delays a decision on healthy
+    numbers (a spike, saturation) of such a run by up to this much; a run's batch that follows its
+    previous one by more than this, and a non-finite loss, grad norm or amax, are judged at once.
+    0: every batch at once."""
     loop_sweep_interval_s: float = Field(default=1.0, gt=0, le=3600)
     """How often the loop looks for batches other processes (or a crash) left unjudged."""
     loop_drain_timeout_s: float = Field(default=10.0, ge=0)

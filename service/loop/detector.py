@@ -378,6 +378,16 @@ class Detector:
         step its outlier was recorded; NaN before the tensor was seen), step by step whatever the
         batching."""
         last, since = self.hist_last, self.hist_since
+        if hist_max.dtype == np.float32 and np.isfinite(hist_max).all():
+            # Every value finite (the common case): a tensor's value changed at a step iff it
+            # differs from the step before's, so the step-by-step walk below is one scan.
+            h = hist_max
+            changed = h != np.concatenate([last[None, :], h[:-1]])
+            rows = np.maximum.accumulate(np.where(changed, np.arange(h.shape[0])[:, None], -1), axis=0)
+            at = np.asarray(steps, dtype=np.float64)[np.maximum(rows, 0)]
+            out_fast: np.ndarray[Any, Any] = np.where(rows >= 0, at, since[None, :])
+            self.hist_last, self.hist_since = h[-1].copy(), out_fast[-1].copy()
+            return out_fast
         out = np.empty(hist_max.shape, dtype=np.float64)
         for t in range(hist_max.shape[0]):
             h = hist_max[t]

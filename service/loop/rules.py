@@ -58,6 +58,8 @@ def consecutive(run: I64, over: npt.NDArray[np.bool_]) -> I64:
     same shape (the run length after each step), continuing from ``run``."""
     if over.ndim == 1:
         return np.where(over, run + 1, 0).astype(np.int64)
+    if not over.any():  # a healthy block: every run is reset (what the general form computes)
+        return np.zeros(over.shape, dtype=np.int64)
     steps = np.arange(over.shape[0])[:, None]
     last_reset = np.maximum.accumulate(np.where(~over, steps, -1), axis=0)
     return np.where(last_reset < 0, run[None, :] + steps + 1, steps - last_reset).astype(np.int64)
@@ -135,6 +137,14 @@ def amax_growth_steps(fast: npt.NDArray[np.floating[Any]], slow: npt.NDArray[np.
     f, s, n = fast.astype(np.float32), slow.astype(np.float32), seen.astype(np.int64)
     out_f = np.empty_like(log_amax)
     out_s = np.empty_like(log_amax)
+    if ok.all() and (n > 0).all():
+        # Every tensor measured at every step and seen before (a healthy FP8 block): the same
+        # float32 arithmetic as below without the branches, a third of the numpy calls.
+        for t in range(amax.shape[0]):
+            x = log_amax[t]
+            f = out_f[t] = f + af * (x - f)
+            s = out_s[t] = s + asl * (x - s)
+        return out_f, out_s, n[None, :] + np.arange(1, amax.shape[0] + 1, dtype=np.int64)[:, None]
     out_n = np.empty(amax.shape, dtype=np.int64)
     for t in range(amax.shape[0]):
         x, m = log_amax[t], ok[t]
@@ -160,6 +170,17 @@ def ramp_steps(last_log: F32, drift: F32, rising: F32, amax: npt.NDArray[np.floa
     a = np.float32(alpha)
     last, d, r = last_log.astype(np.float32), drift.astype(np.float32), rising.astype(np.float32)
     out_last, out_d, out_r = (np.empty_like(log_amax) for _ in range(3))
+    if ok.all() and np.isfinite(last).all():
+        # Every tensor measured now and at the step before (a healthy FP8 block): the same float32
+        # arithmetic as below without the branches.
+        prev = np.concatenate([last[None, :], log_amax[:-1]])
+        delta = log_amax - prev
+        up = (delta > 0).astype(np.float32)
+        for t in range(amax.shape[0]):
+            d = out_d[t] = d + a * (delta[t] - d)
+            r = out_r[t] = r + a * (up[t] - r)
+        out_last[:] = log_amax
+        return out_last, out_d, out_r
     for t in range(amax.shape[0]):
         x, m = log_amax[t], ok[t]
         step_ok = m & np.isfinite(last)

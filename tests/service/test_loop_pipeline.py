@@ -349,3 +349,55 @@ def test_a_worker_thread_survives_a_failing_pass_and_the_run_is_judged_later(sto
     finally:
         worker.close()
 
+
+
+def _calm_batch(run: str, first: int, **kw: Any) -> dict[str, Any]:
+    return batch(run, list(range(first, first + 10)), stats=("amax",), values=_amax(False), n_tensors=12, **kw)
+
+
+def test_healthy_batches_of_a_fast_run_are_gathered_into_one_pass_and_a_non_finite_one_is_not(store: Store) -> None:
+    """With ``gather_s``, a run's batch that follows its previous one within ``gather_s`` waits for
+    the first such batch to be that old, and those batches are judged in one pass; a run's first
+    batch (or one after a pause) and a batch with an infinite amax are judged at once; drain()
+    judges what waits without waiting out the gathering."""
+    from fp8guard.service.alerts.config import AlertSettings
+    from fp8guard.service.loop.judge import Judge
+    from fp8guard.service.loop.worker import LoopWorker
+
+    worker = LoopWorker(store, Judge(AlertSettings()), threads=1, sweep_interval_s=60, gather_s=0.6)
+
+    def submit(body: dict[str, Any]) -> float:
+        decoded = decode_batch(IngestBatchIn.model_validate(body))
+        stored = store.ingest(decoded)
+        assert stored.run_pk is not None
+        worker.submit(stored.run_pk, stored.queue_id, decoded)
+        return time.monotonic()
+
+    worker.start()
+    try:
+        store.register_run(RunSpec(run_id="gathered"))
+        t0 = submit(_calm_batch("gathered", 0))
+        _wait_for(lambda: worker.stats.batches == 1, timeout=10)
+        assert time.monotonic() - t0 < 0.4 and worker.stats.passes == 1  # the first: at once
+        t1 = submit(_calm_batch("gathered", 10))
+        submit(_calm_batch("gathered", 20))
+        time.sleep(0.2)
+        assert worker.stats.passes == 1  # the next two: gathering
+        _wait_for(lambda: worker.stats.batches == 3, timeout=10)
+        assert time.monotonic() - t1 >= 0.55
+        assert worker.stats.passes == 2  # two batches, one pass
+
+        store.register_run(RunSpec(run_id="urgent"))
+        submit(_calm_batch("urgent", 0))
+        _wait_for(lambda: worker.stats.batches == 4, timeout=10)
+        submit(_calm_batch("urgent", 10))  # would be gathered...
+        t2 = submit(_inf_batch("urgent", range(20, 30), define_tensors=False))  # ...but this one is urgent
+        _wait_for(lambda: worker.stats.batches == 6, timeout=10)
+        assert time.monotonic() - t2 < 0.4
+        assert worker.stats.commands == 1
+
+        t3 = submit(_calm_batch("urgent", 30, define_tensors=False))
+        assert worker.drain(timeout=10)
+        assert worker.stats.batches == 7 and time.monotonic() - t3 < 0.4
+    finally:
+        worker.close()

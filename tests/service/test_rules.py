@@ -216,3 +216,56 @@ def test_cooldown_is_per_module_so_a_second_module_is_not_swallowed() -> None:
     for m in ("l0", "l1"):
         at = [f.step for f in growth if f.modules == (m,)]
         assert all(b - a >= GuardConfig().cooldown_steps for a, b in itertools.pairwise(at))
+
+
+def _healthy_block(rng: np.random.Generator, steps: int = 40, tensors: int = 6) -> np.ndarray:
+    level = np.exp(rng.normal(size=tensors))
+    return (level * np.exp(rng.normal(0.0, 0.05, size=(steps, tensors)))).astype(np.float32)
+
+
+def test_healthy_block_fast_paths_equal_the_step_by_step_rules() -> None:
+    """The rules skip their per-step branches when every value is measured (a healthy block);
+    a column that is not (zero or non-finite amax, a NaN history) sends the whole block down
+    the general path, and columns are independent, so the healthy columns must come out
+    bit-for-bit the same either way: the same decisions whatever path a block takes."""
+    rng = np.random.default_rng(7)
+    amax = _healthy_block(rng)
+    n = amax.shape[1]
+    f0, s0 = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(np.float32)
+    seen0 = np.full(n, 12, dtype=np.int64)
+    bad = np.hstack([amax, np.zeros((amax.shape[0], 1), np.float32)])  # one unmeasured tensor
+    pad = lambda a, v: np.append(a, np.array([v], dtype=a.dtype))  # noqa: E731
+
+    fast = rules.amax_growth_steps(f0, s0, seen0, amax)
+    general = rules.amax_growth_steps(pad(f0, 0.0), pad(s0, 0.0), pad(seen0, 3), bad)
+    for a, b in zip(fast, general, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b[:, :n])
+
+    last0 = np.log2(amax[0] * 1.01).astype(np.float32)
+    d0, r0 = rng.normal(0, 0.01, size=n).astype(np.float32), rng.uniform(size=n).astype(np.float32)
+    fast = rules.ramp_steps(last0, d0, r0, amax[1:], alpha=0.1)
+    general = rules.ramp_steps(pad(last0, np.nan), pad(d0, 0.0), pad(r0, 0.0), bad[1:], alpha=0.1)
+    for a, b in zip(fast, general, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b[:, :n])
+
+    over = amax > np.median(amax)
+    quiet = np.zeros_like(over)
+    run0 = rng.integers(0, 4, size=n)
+    assert np.array_equal(rules.consecutive(run0, quiet), rules.consecutive(pad(run0, 0), np.hstack(
+        [quiet, np.ones((quiet.shape[0], 1), bool)]))[:, :n])
+
+    # the amax history's maximum: held for a while, then a new outlier, then decaying steps
+    hist = np.repeat(amax[:1] * 4, amax.shape[0], axis=0)
+    hist[15:] *= 3
+    hist[30:] = amax[30:] * 2
+    meta = [TensorMeta(name=f"m{i // 2}:{i}", module=f"m{i // 2}", backward=False) for i in range(n + 1)]
+    steps = np.arange(100, 100 + amax.shape[0])
+    healthy, mixed = Detector(GuardConfig(), meta[:n]), Detector(GuardConfig(), meta)
+    hist_nan = np.hstack([hist, np.full((hist.shape[0], 1), np.nan, np.float32)])
+    hist_nan[3, n] = 1.0
+    for lo, hi in ((0, 7), (7, 40)):  # two batches: the state carries across
+        got = healthy._pinned_since(steps[lo:hi], hist[lo:hi])
+        want = mixed._pinned_since(steps[lo:hi], hist_nan[lo:hi])
+        assert np.array_equal(got, want[:, :n], equal_nan=True)
+    assert np.array_equal(healthy.hist_last, mixed.hist_last[:n]) and \
+        np.array_equal(healthy.hist_since, mixed.hist_since[:n], equal_nan=True)
