@@ -12,6 +12,8 @@ itself (``inline_max_samples``): with no one to group it with, the two thread ha
 writer, wake the event loop with the result) were most of a lone agent's wait beyond the write,
 on a loaded host a scheduler slice each. While it is written the event loop serves no one else,
 so it is bounded by size, and anything that arrives meanwhile is queued and grouped as before.
+It never waits for the database: if a closed-loop pass holds SQLite's write lock
+(``Store.try_ingest_now``), the batch goes to the writer thread instead.
 """
 
 from __future__ import annotations
@@ -86,13 +88,18 @@ class Committer:
                 self._cv.notify()
         if not inline:
             return await asyncio.wrap_future(future)
+        stored = False
         try:
-            self._store([(batch, future)])
+            stored = self._store([(batch, future)], now=True)
         finally:
             with self._cv:
                 self._writing -= 1
-                self.inline += 1
-        return future.result()
+                if stored:
+                    self.inline += 1
+                else:  # the database's write lock was taken: a writer thread waits for it
+                    self._queue.append((batch, future))
+                    self._cv.notify()
+        return await asyncio.wrap_future(future) if not stored else future.result()
 
     def _run(self) -> None:
         while True:
@@ -116,9 +123,14 @@ class Committer:
                 with self._cv:
                     self._writing -= 1
 
-    def _store(self, group: list[tuple[Batch, Future[IngestResult]]]) -> None:
+    def _store(self, group: list[tuple[Batch, Future[IngestResult]]], *, now: bool = False) -> bool:
+        """Store the group and settle its futures; with ``now``, only if the database is free this
+        instant (False, and nothing done, otherwise)."""
         try:
-            results = self.store.ingest_many([b for b, _ in group])
+            got = self.store.try_ingest_now(group[0][0]) if now else self.store.ingest_many([b for b, _ in group])
+            if got is None:
+                return False
+            results = got
         except Exception as exc:  # never leave a request waiting forever
             log.exception("fp8guard ingest: storing a group of %d batches failed", len(group))
             results = [exc if isinstance(exc, ServiceError) else StorageUnavailable(f"storing failed: {exc}")
@@ -135,3 +147,4 @@ class Committer:
             except Exception:  # the loop's sweep still finds the batch in the queue
                 log.exception("fp8guard ingest: handing batch %s to the loop failed", batch.batch_id)
             future.set_result(result)
+        return True

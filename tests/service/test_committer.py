@@ -5,6 +5,8 @@ once the batch is stored, and a batch that cannot be stored raises its own Servi
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -77,3 +79,28 @@ def test_an_inline_failure_raises_its_error_and_the_next_batch_still_goes_inline
         committer.close()
     assert result.samples == 60 and committer.inline == 2
     assert store.run("cm-3").ranks[0].batches == 1
+
+
+def test_an_inline_batch_never_waits_for_the_write_lock_a_loop_pass_holds(store: Store) -> None:
+    """On SQLite, while another thread of the process holds the database's write lock (a loop
+    pass), the batch goes to the writer thread at once and is answered once that thread stored it."""
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("the process write lock is SQLite's")
+    store.register_run(RunSpec(run_id="cm-4"))
+    committer = Committer(store, inline_max_samples=10_000)
+    committer.start()
+    lock = store._write_lock
+    assert lock is not None
+    lock.acquire()
+    released = threading.Timer(0.3, lock.release)
+    released.start()
+    try:
+        t0 = time.monotonic()
+        (result,) = _submit_all(committer, [_batch("cm-4", 0)])
+        waited = time.monotonic() - t0
+    finally:
+        released.join()
+        committer.close()
+    assert result.samples == 60 and committer.inline == 0 and committer.groups == 1
+    assert waited >= 0.25  # answered only after the writer could store it
+    assert store.run("cm-4").ranks[0].batches == 1
