@@ -65,6 +65,8 @@ WARMUP_S = 3.0
 HEADERS = {"content-type": "application/json", "content-encoding": "gzip"}
 WAIT_S = 10.0  # long-poll wait, and the give-up time of a decision probe
 POLL_S = 0.005  # polling period where the commands endpoint ignores wait
+PRE_ENCODE_RATE = 600.0
+"""``--pre-encode --rate 0``: bodies prepared per agent per second of the window."""
 VARIANTS = 8  # pre-encoded stats blocks, used in turn
 _MARK = "@fp8guard-load-block@"  # where a block's pre-compressed JSON string goes in a body
 
@@ -96,6 +98,13 @@ class Batches:
 
     def body(self, run_id: str, first_step: int, k: int, *, with_tensors: bool,
              nan_last: bool = False) -> bytes:
+        head, packed, tail = self.parts(run_id, first_step, k, with_tensors=with_tensors, nan_last=nan_last)
+        return head + packed + tail
+
+    def parts(self, run_id: str, first_step: int, k: int, *, with_tensors: bool,
+              nan_last: bool = False) -> tuple[bytes, bytes, bytes]:
+        """A body as its three gzip members: the gzipped head and tail (ids, steps, scalars) and
+        the shared pre-compressed block between them."""
         steps = list(range(first_step, first_step + self.steps))
         now, g = time.time(), self.rng.gauss
         rows = [{"step": s, "time": now, "loss": 2.5 + 0.01 * g(0, 1), "grad_norm": 1.0 + 0.05 * g(0, 1),
@@ -116,7 +125,19 @@ class Batches:
             tensor_stats=[{"stats": self.stats, "steps": steps, "n_tensors": self.n_tensors, "dtype": "<f4",
                            "data": _MARK}])
         head, tail = wire.dumps(payload).split(json.dumps(_MARK).encode())
-        return wire.gzip_body(head) + packed + wire.gzip_body(tail)
+        return wire.gzip_body(head), packed, wire.gzip_body(tail)
+
+
+class Prepared:
+    """``--pre-encode``: one agent's bodies, built before the timed window (distinct batch ids,
+    steps increasing), so the window measures the HTTP round trips without the body building that
+    a real agent does on the training host. Kept as gzip members (the stats block is shared), so
+    thousands of them cost a few MB; an agent that sends more than were prepared builds the rest
+    in the window and counts them (``pre_encoded.built_in_window``)."""
+
+    def __init__(self, batches: Batches, run_id: str, count: int) -> None:
+        self.parts = [batches.parts(run_id, k * batches.steps, k, with_tensors=k == 0) for k in range(count)]
+        self.built_in_window = 0
 
 
 @dataclass
@@ -159,7 +180,7 @@ async def _send(client: httpx.AsyncClient, tally: Tally, run_id: str, body: byte
 
 
 async def _agent(client: httpx.AsyncClient, batches: Batches, tally: Tally, run_id: str, rate: float,
-                 t_start: float, t_end: float) -> tuple[int, int]:
+                 t_start: float, t_end: float, prepared: Prepared | None = None) -> tuple[int, int]:
     """Returns (batches due in the window, batches sent)."""
     offset = random.uniform(0.0, 1.0 / rate) if rate > 0 else 0.0
     limit = math.ceil((t_end - t_start) * rate) + 1 if rate > 0 else 10_000_000
@@ -175,7 +196,13 @@ async def _agent(client: httpx.AsyncClient, batches: Batches, tally: Tally, run_
                 await asyncio.sleep(delay)
         elif time.monotonic() >= t_end:
             break
-        body = batches.body(run_id, step, k, with_tensors=not have_table)
+        if prepared is not None and k < len(prepared.parts) and (k == 0) != have_table:
+            head, packed, tail = prepared.parts[k]
+            body = head + packed + tail  # a copy of ~20 KB: microseconds
+        else:
+            if prepared is not None:
+                prepared.built_in_window += 1
+            body = batches.body(run_id, step, k, with_tensors=not have_table)
         step += batches.steps
         sent += 1
         have_table = await _send(client, tally, run_id, body, first=not have_table) is not None or have_table
@@ -296,6 +323,10 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
                                             for c, run in zip(clients, runs, strict=True)))
         for r in registered:
             r.raise_for_status()
+        prepared = None
+        if args.pre_encode:
+            count = math.ceil(args.duration * (args.rate or PRE_ENCODE_RATE)) + 1
+            prepared = [Prepared(batches, run, count) for run in runs]
         tally, probe_tally = Tally(), Tally()
         hist_start = await _server_histogram(reader)
         lags: list[float] = []
@@ -307,8 +338,9 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         probes = [asyncio.create_task(_probe(probers[i], batches, probe_tally, f"probe-{i}-{tag}",
                                              t_start + args.duration * (i + 0.5) / args.decisions))
                   for i in range(args.decisions)]
-        counts = await asyncio.gather(*(_agent(c, batches, tally, run, args.rate, t_start, t_end)
-                                        for c, run in zip(clients, runs, strict=True)))
+        counts = await asyncio.gather(*(_agent(c, batches, tally, run, args.rate, t_start, t_end,
+                                               prepared[i] if prepared else None)
+                                        for i, (c, run) in enumerate(zip(clients, runs, strict=True))))
         wall = time.monotonic() - t_start
         decisions = await asyncio.gather(*probes)
         server_cpu, client_cpu = _cpu_s(server_pid) - cpu_start, time.process_time() - client_cpu_start
@@ -356,6 +388,9 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
                                "max": round(max(lags), 1) if lags else None},
         # the service's own timing of /v1/ingest (its latency histogram): share answered within N ms
         "server_within_ms": _within(hist_start, hist_end),
+        # --pre-encode: bodies built before the window (per agent) and any built in it after all
+        "pre_encoded": {"bodies_per_agent": len(prepared[0].parts),
+                        "built_in_window": sum(p.built_in_window for p in prepared)} if prepared else None,
         "errors": tally.errors,
         "error_examples": tally.examples + probe_tally.examples[:3 - len(tally.examples)],
         "stored_equals_acked": not mismatched and bool(acked), "mismatches": mismatched[:3],
@@ -432,6 +467,9 @@ def main() -> None:
     parser.add_argument("--steps-per-batch", type=int, default=10)
     parser.add_argument("--decisions", type=int, default=5, help="decision-latency probes")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--pre-encode", action="store_true",
+                        help="build every agent's bodies before the timed window (the agent's encoding runs on the "
+                             "training host in production); the default builds each body just before sending it")
     parser.add_argument("--auth", action="store_true", help="require tokens (FP8GUARD_AUTH=required), as deployed")
     args = parser.parse_args()
     if min(args.agents, args.tensors, args.stats, args.steps_per_batch) < 1 or args.rate < 0 \

@@ -6,6 +6,14 @@ transaction, so under many agents the database commits (and, on PostgreSQL, flus
 once per group instead of once per request. A request is answered only after the transaction
 holding its batch committed: nothing is acknowledged that is not durable. A batch that cannot be
 stored fails alone (the store retries a failed group batch by batch).
+
+A small batch that finds every writer idle and nothing queued is stored on the event loop
+itself (``inline_max_samples``): with no one to group it with, the two thread hand-offs (wake a
+writer, wake the event loop with the result) were most of a lone agent's wait beyond the write,
+on a loaded host a scheduler slice each. While it is written the event loop serves no one else,
+so it is bounded by size, and anything that arrives meanwhile is queued and grouped as before.
+It never waits for the database: if a closed-loop pass holds SQLite's write lock
+(``Store.try_ingest_now``), the batch goes to the writer thread instead.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ log = logging.getLogger(__name__)
 
 class Committer:
     def __init__(self, store: Store, *, writers: int = 1, max_batches: int = 64, max_samples: int = 2_000_000,
-                 on_stored: Callable[[Batch, IngestResult], None] | None = None) -> None:
+                 on_stored: Callable[[Batch, IngestResult], None] | None = None,
+                 inline_max_samples: int = 0) -> None:
         if writers < 1:
             raise ValueError(f"ingest needs at least one writer thread, got {writers}")
         self.store = store
@@ -36,6 +45,10 @@ class Committer:
         self.max_batches = max_batches
         self.max_samples = max_samples
         self.on_stored = on_stored or (lambda batch, result: None)
+        self.inline_max_samples = inline_max_samples
+        self.inline = 0
+        """Batches stored on the event loop (no writer was busy, nothing queued)."""
+        self._writing = 0  # writer threads storing a group, or the event loop storing inline
         self.groups = 0
         self.grouped = 0
         self._cv = threading.Condition()
@@ -67,9 +80,26 @@ class Committer:
         with self._cv:
             if self._stop or not self._threads:
                 raise StorageUnavailable("the service is shutting down; retry with the same batch_id")
-            self._queue.append((batch, future))
-            self._cv.notify()
-        return await asyncio.wrap_future(future)
+            inline = not self._queue and not self._writing and batch.num_samples <= self.inline_max_samples
+            if inline:
+                self._writing += 1
+            else:
+                self._queue.append((batch, future))
+                self._cv.notify()
+        if not inline:
+            return await asyncio.wrap_future(future)
+        stored = False
+        try:
+            stored = self._store([(batch, future)], now=True)
+        finally:
+            with self._cv:
+                self._writing -= 1
+                if stored:
+                    self.inline += 1
+                else:  # the database's write lock was taken: a writer thread waits for it
+                    self._queue.append((batch, future))
+                    self._cv.notify()
+        return await asyncio.wrap_future(future) if not stored else future.result()
 
     def _run(self) -> None:
         while True:
@@ -86,11 +116,21 @@ class Committer:
                         break
                     group.append(self._queue.popleft())
                     samples += nxt
-            self._store(group)
+                self._writing += 1
+            try:
+                self._store(group)
+            finally:
+                with self._cv:
+                    self._writing -= 1
 
-    def _store(self, group: list[tuple[Batch, Future[IngestResult]]]) -> None:
+    def _store(self, group: list[tuple[Batch, Future[IngestResult]]], *, now: bool = False) -> bool:
+        """Store the group and settle its futures; with ``now``, only if the database is free this
+        instant (False, and nothing done, otherwise)."""
         try:
-            results = self.store.ingest_many([b for b, _ in group])
+            got = self.store.try_ingest_now(group[0][0]) if now else self.store.ingest_many([b for b, _ in group])
+            if got is None:
+                return False
+            results = got
         except Exception as exc:  # never leave a request waiting forever
             log.exception("fp8guard ingest: storing a group of %d batches failed", len(group))
             results = [exc if isinstance(exc, ServiceError) else StorageUnavailable(f"storing failed: {exc}")
@@ -107,3 +147,4 @@ class Committer:
             except Exception:  # the loop's sweep still finds the batch in the queue
                 log.exception("fp8guard ingest: handing batch %s to the loop failed", batch.batch_id)
             future.set_result(result)
+        return True

@@ -97,7 +97,7 @@ def _parse(body: bytes, limits: EventLimits) -> Batch:
 
 @router.post("/v1/ingest", response_model=IngestResultOut, openapi_extra={**_BODY_DOC, "security": OPENAPI_SECURITY},
              summary="Store one batch of telemetry (idempotent by batch_id)")
-async def ingest(request: Request) -> IngestResultOut:
+async def ingest(request: Request) -> Response:
     """A batch is stored completely or not at all, and answered once it is durable. Re-sending a
     stored ``batch_id`` changes nothing and answers ``duplicate: true``, so clients retry freely.
     The answer carries the run's pending commands; the loop judges the batch right after, and a
@@ -117,5 +117,9 @@ async def ingest(request: Request) -> IngestResultOut:
         await cached_or_loaded(auth.check_run, principal, batch.run_id)
     result = await committer.submit(batch)
     request.app.state.metrics.observe(result, size)
-    return IngestResultOut(batch_id=result.batch_id, duplicate=result.duplicate, steps=result.steps,
-                           samples=result.samples, commands=[CommandOut.of(c) for c in result.commands])
+    answer = IngestResultOut(batch_id=result.batch_id, duplicate=result.duplicate, steps=result.steps,
+                             samples=result.samples, commands=[CommandOut.of(c) for c in result.commands])
+    # Serialised here, once: returning the model would have FastAPI dump it to a dict, validate
+    # that against ``response_model`` again and encode it a second time (the route's
+    # ``response_model`` still documents the answer in /openapi.json).
+    return Response(content=answer.__pydantic_serializer__.to_json(answer), media_type="application/json")

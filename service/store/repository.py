@@ -74,6 +74,7 @@ class Store:
         transaction of this store queues on this lock instead, handed over at once, and gives up
         after ``WRITE_LOCK_TIMEOUT_S`` as SQLite's own busy timeout would; other processes (and the
         alert dispatcher, which writes through the engine) still wait on SQLite's."""
+        self._holding = threading.local()  # .lock: this thread took the write lock (try_ingest_now)
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -93,7 +94,7 @@ class Store:
     def _session(self, *, write: bool = False) -> Iterator[Session]:
         """Commit on success, roll back on failure, and translate database errors once, here.
         ``write``: a transaction that writes (on SQLite it first takes the process's write lock)."""
-        if write and self._write_lock is not None:
+        if write and self._write_lock is not None and not getattr(self._holding, "lock", False):
             if not self._write_lock.acquire(timeout=WRITE_LOCK_TIMEOUT_S):
                 raise StorageUnavailable(f"the database stayed busy for {WRITE_LOCK_TIMEOUT_S:g} s; retry later")
             try:
@@ -237,6 +238,21 @@ class Store:
         if isinstance(result, Exception):
             raise result
         return result
+
+    def try_ingest_now(self, batch: Batch) -> list[IngestResult | ServiceError] | None:
+        """``ingest_many([batch])`` if no write of this process holds the database this instant,
+        else None at once, without waiting (the ingest committer's event-loop path: it must never
+        wait on a closed-loop pass). Always stores on PostgreSQL, which has no process lock."""
+        if self._write_lock is None:
+            return self.ingest_many([batch])
+        if not self._write_lock.acquire(blocking=False):
+            return None
+        self._holding.lock = True
+        try:
+            return self.ingest_many([batch])
+        finally:
+            self._holding.lock = False
+            self._write_lock.release()
 
     def ingest_many(self, batches: Sequence[Batch]) -> list[IngestResult | ServiceError]:
         """Group commit: store every batch in one transaction, each answered with the run's
