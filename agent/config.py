@@ -128,7 +128,7 @@ class MonitorConfig:
     """Under torch.distributed, MAX-all-reduce each step's tripwire verdict (one int, enqueued on
     the device: no host sync, but a tiny collective per step), so that per-rank quantities (the
     loss, non-replicated amaxes) count for the two-step answer too, not only the gradient norm."""
-    tripwire_backend: str = "auto"
+    tripwire_backend: Literal["auto", "torch", "triton"] = "auto"
     """How the tripwire's per-step check runs: ``triton`` as one kernel launch
     (``fp8guard.agent.kernels.tripwire_check``), ``torch`` as some forty small torch ops (the
     reference: the same state and verdicts bit for bit), ``auto`` the kernel on CUDA with Triton."""

@@ -165,7 +165,7 @@ class Monitor:
                                       early_loss_rise=cfg.tripwire_early_loss_rise,
                                       early_grad_factor=cfg.tripwire_early_grad_factor,
                                       early_steps=cfg.tripwire_early_steps,
-                                      backend=cfg.tripwire_backend)  # type: ignore[arg-type]
+                                      backend=cfg.tripwire_backend)
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)

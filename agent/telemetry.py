@@ -185,9 +185,9 @@ class GradNorm:
     error that ends the run). Holding the old gradients to keep the memory valid would double
     the gradients' memory. So the addresses are compared each call (about 0.1-0.3 us per
     parameter on a CPU) and, under ``set_to_none``, uploaded every step: that upload is the
-    per-step host work that still grows with the model (217-891 us at 12-96 layers on the H200
-    with per-gradient Python checks; now C-level maps: on a 2-core CPU 1,152 moved gradients
-    381 us against 839, unchanged ones 130 us against 199).
+    per-step host work that still grows with the model. The checks of new gradients are C-level
+    maps too (they were a Python loop per gradient): on the H200's host each map over 1,152
+    gradients took 56-93 us (``grad_walk_us`` in docs/gpu-results/gpu_host_cost.sweep.2026-12-02f.json).
     With gradients kept between steps (``set_to_none=False``) the tables are pointed once.
     """
 
