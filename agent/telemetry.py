@@ -9,6 +9,7 @@ event, encoding, shipping) runs on the shipper's thread.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -211,7 +212,7 @@ class GradNorm:
         self._numels = [p.numel() for p in self._params]
         self._dtypes = [p.dtype for p in self._params]
         self._device_indices = [p.get_device() for p in self._params]
-        self._pointed: list[int] | None = None
+        self._pointed: array[int] | None = None
         """The gradient addresses the tables point at (None: not pointed yet)."""
         self.repointed = 0
         """How many calls re-pointed the tables (new gradient addresses)."""
@@ -239,14 +240,14 @@ class GradNorm:
         if self._tables:
             grads: list[Any] = list(map(_grad, self._params))
             try:  # C-level walk; a parameter without a gradient raises here (None has no data_ptr)
-                ptrs: list[int] | None = list(map(_data_ptr, grads))
+                ptrs: array[int] | None = array("q", map(_data_ptr, grads))
             except (TypeError, RuntimeError):  # None, or a gradient without storage
                 ptrs = None
             if ptrs is not None and (ptrs == self._pointed or self._repoint(grads, ptrs)):
                 return self._table_norm()
         return self._foreach()
 
-    def _repoint(self, grads: list[Any], ptrs: list[int]) -> bool:
+    def _repoint(self, grads: list[Any], ptrs: array[int]) -> bool:
         """The gradients moved (or this is the first call): check them and re-point the tables.
 
         Every check is a C-level map, compared with what the tables were built for: PyTorch

@@ -109,7 +109,7 @@ def _graph_ms(ops: list[Operand], dst: torch.Tensor, variant: str, repeats: int)
 
 def _host_us_per_launch(ops: list[Operand], dst: torch.Tensor, variant: str, fast: bool) -> float:
     """Host time to enqueue the operands' launches (median of 5 passes), per launch."""
-    kernels._fast_launch[0] = fast
+    kernels._LAUNCH.fast = fast
     try:
         _run(ops, dst, variant)  # compiles / fills the handle cache
         torch.cuda.synchronize()
@@ -122,7 +122,7 @@ def _host_us_per_launch(ops: list[Operand], dst: torch.Tensor, variant: str, fas
         times.sort()
         return times[2] / max(1, len(ops)) * 1e6
     finally:
-        kernels._fast_launch[0] = True
+        kernels._LAUNCH.fast = True
 
 
 def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
                         "host_us_per_launch_jit": round(_host_us_per_launch(ops, dst, variant, False), 2),
                         "host_us_per_launch_cached_handle": round(_host_us_per_launch(ops, dst, variant, True), 2)}
     out["bytes"]["rows_fetched_fraction"] = round(fetched / max(1, out["elements"]), 6)
-    out["cached_handle_in_use"] = bool(kernels._fast_launch[0] and kernels._COMPILED)
+    out["cached_handle_in_use"] = bool(kernels._LAUNCH.fast and kernels._LAUNCH.cached)
     out["fastest"] = min(("hp", "bytes"), key=lambda v: out[v]["graph_ms"] if out[v]["graph_ms"] == out[v]["graph_ms"]
                          else out[v]["eager_ms"])
     return out

@@ -69,6 +69,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--idle-steps", type=int, default=10, help="timed monitor.step calls per depth, GPU idle")
     p.add_argument("--rounds", type=int, default=12, help="ratio rounds (one block per mode each)")
     p.add_argument("--block", type=int, default=10)
+    p.add_argument("--gc-between-blocks", action="store_true",
+                   help="ratios: Python's cyclic GC off inside timed blocks, a full collection between them "
+                        "(both modes alike): tells a collection landing in a block from the monitor's cost")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sync-steps", type=int, default=6)
     p.add_argument("--profile-steps", type=int, default=10,
@@ -415,6 +418,9 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             if mode != "plain":
                 monitor._grad_norm = norms[mode]
+            if a.gc_between_blocks:
+                gc.collect()
+                gc.disable()
             env.sync()
             t0 = time.perf_counter()
             for _ in range(a.block):
@@ -429,6 +435,7 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
                 m.opt.zero_grad(set_to_none=True)
             env.sync()
             per_step[mode].append(_us_since(t0) / 1e3 / a.block)
+            gc.enable()
     monitor._grad_norm = norms["monitor"]
     plain = statistics.median(per_step["plain"])
     result: dict[str, Any] = {
@@ -436,7 +443,7 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
         "columns": len(monitor.tensors), "rounds": len(per_step["plain"]), "block": a.block,
         "modes": modes, "plain_ms_per_step": round(plain, 3),
         "plain_block_ms_min_max": [round(min(per_step["plain"]), 3), round(max(per_step["plain"]), 3)],
-        "target_ratio_max": TARGET_RATIO,
+        "target_ratio_max": TARGET_RATIO, "gc_between_blocks": bool(a.gc_between_blocks),
     }
     for mode in modes[1:]:
         ms = statistics.median(per_step[mode])

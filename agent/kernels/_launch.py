@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -63,3 +64,66 @@ def launch_shape(n: int, device: torch.device, block: int = BLOCK, per_sm: int =
     while blocks > iters * max_programs(device_index(device), per_sm):
         iters *= 2
     return -(-blocks // iters), iters
+
+
+def specialization_key(args: Sequence[Any]) -> tuple[Hashable, ...]:
+    """What Triton's JIT specialises a compiled kernel on, per runtime argument: a tensor's dtype
+    and its address's 16-byte alignment; an integer's divisibility by 16, equality to 1 and
+    width. Two calls with the same key run the same compiled kernel."""
+    key: list[Hashable] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            key.append(type(a))
+        else:
+            key.append((a % 16 == 0, a == 1, -(2**31) <= a < 2**31))
+    return tuple(key)
+
+
+class CompiledLaunch:
+    """Launches one kernel call site through the compiled kernel's own handle.
+
+    Triton's JIT dispatch binds and specialises every argument in Python on each call (30-100 us
+    of host time per launch on the H200's host: ``jit.py:run`` in ``bench/gpu_host_cost.py``'s
+    profile); the compiled kernel's handle skips that, its C launcher only reads the arguments'
+    values and addresses. The first call for a key goes through the JIT (``jit``, which returns
+    the compiled kernel) and keeps its handle; later calls with the same key (the constants and
+    :func:`specialization_key` of the runtime arguments) use it. Under the interpreter, off CUDA,
+    or after any failure of the handle (an API drift in Triton's launcher) every call goes
+    through the JIT, with the same result.
+    """
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple[Hashable, ...], Any] = {}
+        self.fast = True
+        """Whether the handle is used (False: every call through the JIT)."""
+
+    @property
+    def cached(self) -> int:
+        """Compiled handles kept (one per key seen)."""
+        return len(self._compiled)
+
+    def __call__(self, grid: int, args: Sequence[Any], consts: Sequence[Hashable], jit: Callable[[], Any],
+                 *, key: tuple[Hashable, ...] | None = None) -> None:
+        """Run the kernel over ``grid`` programs: ``args`` are the runtime arguments and
+        ``consts`` the constexpr values, each in the kernel's signature order; ``key`` (default:
+        ``consts`` and the arguments' specialization) must change whenever the JIT would compile
+        another kernel."""
+        if not self.fast or interpret():
+            jit()
+            return
+        key = key if key is not None else (*consts, *specialization_key(args))
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            try:
+                compiled[(grid, 1, 1)](*args, *consts)
+                return
+            except Exception:  # an API drift in Triton's launcher: the JIT from now on, same result
+                self.fast = False
+                self._compiled.clear()
+                jit()
+                return
+        handle = jit()
+        if handle is not None and hasattr(handle, "__getitem__"):
+            self._compiled[key] = handle

@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from fp8guard.agent.fp8 import Fp8Format, count_from_cast, count_overflow_underflow
-from fp8guard.agent.kernels._launch import interpret, launch_shape, triton_available, triton_modules
+from fp8guard.agent.kernels._launch import (
+    CompiledLaunch,
+    launch_shape,
+    triton_available,
+    triton_modules,
+)
 
 __all__ = ["COUNT_SHAPES", "count_cast_into"]
 
@@ -119,10 +124,8 @@ COUNT_SHAPES: dict[str, tuple[int, int, int, int]] = {"hp": (_ROWS, _COLS, 8, 8)
 H200 figures of docs/gpu.md were taken with 64 x 64 tiles, 8 programs per SM and 8 warps for both;
 ``bench/gpu_counts.py kernels`` times alternatives (it sets this table) before a default moves."""
 
-_COMPILED: dict[tuple[Any, ...], Any] = {}
-"""Compiled count kernels by everything Triton specialises on (see :func:`_launch_count`)."""
-_fast_launch = [True]
-"""Launch through the cached compiled-kernel handle (off after any failure, and under the interpreter)."""
+_LAUNCH = CompiledLaunch()
+"""The count kernel's launches through its compiled handle (see :func:`_launch_count`)."""
 
 
 def count_cast_into(
@@ -185,26 +188,16 @@ def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.
     (a kernel compiled for aligned addresses must never see unaligned ones).
     """
     bits_dtype = _BITS_VIEW[x.dtype]
-    if not _fast_launch[0] or interpret() or x.device.type != "cuda":
+    if x.device.type != "cuda":
         _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
         return
     addresses = (x.data_ptr(), q.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), out.data_ptr())
     key = (consts, bits_dtype, q.element_size(), warps, x.device.index, tuple(a % 16 == 0 for a in addresses),
            n % 16 == 0, n == 1, n >= 2**31)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        handle = _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
-        if handle is not None and hasattr(handle, "__getitem__"):
-            _COMPILED[key] = handle
-        return
-    try:
-        # the views are the JIT's argument types; the launcher reads data_ptr() alone, so the
-        # tensors themselves go (same addresses), constants in signature order as the JIT passes them
-        compiled[(grid, 1, 1)](x, q, scale, scale_inv, out, n, *consts)
-    except Exception:  # an API drift in Triton's launcher: back to the JIT for good, same result
-        _fast_launch[0] = False
-        _COMPILED.clear()
-        _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype)
+    # the views are the JIT's argument types; the launcher reads data_ptr() alone, so the tensors
+    # themselves go (same addresses), constants in signature order as the JIT passes them
+    _LAUNCH(grid, (x, q, scale, scale_inv, out, n), consts,
+            lambda: _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype), key=key)
 
 
 def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fp8guard.agent.kernels._launch import triton_modules
+from fp8guard.agent.kernels._launch import CompiledLaunch, triton_modules
 from fp8guard.agent.kernels.staging import Staging
 
 _GATHER_COLUMNS, _GATHER_ROWS = 32, 64
@@ -90,6 +90,7 @@ class HistoryGather:
         self._staging = Staging(torch.zeros(4 * max(1, self.n), dtype=torch.int64, device=device))
         self._max_len = 0
         self.pointed = False
+        self._launch = CompiledLaunch()
 
     def point(self, history_at: Sequence[int], lengths: Sequence[int], strides: Sequence[int],
               scale_at: Sequence[int]) -> bool:
@@ -110,7 +111,8 @@ class HistoryGather:
             raise RuntimeError("HistoryGather: point() first")
         amax, scale, hmax = rows
         grid = -(-self.n // _GATHER_COLUMNS)
-        _kernel()[(grid,)](
-            self._staging.table, self._fp8_max, self._div, keep, in_use, out, self.n,
-            amax * out.stride(0), scale * out.stride(0), hmax * out.stride(0), out.stride(1),
-            MAX_LEN=self._max_len, BLOCK_C=_GATHER_COLUMNS, BLOCK_R=_GATHER_ROWS, num_warps=4)
+        args = (self._staging.table, self._fp8_max, self._div, keep, in_use, out, self.n,
+                amax * out.stride(0), scale * out.stride(0), hmax * out.stride(0), out.stride(1))
+        consts = (self._max_len, _GATHER_COLUMNS, _GATHER_ROWS)
+        self._launch(grid, args, consts, lambda: _kernel()[(grid,)](
+            *args, MAX_LEN=self._max_len, BLOCK_C=_GATHER_COLUMNS, BLOCK_R=_GATHER_ROWS, num_warps=4))

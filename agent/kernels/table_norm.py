@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from fp8guard.agent.kernels._launch import BLOCK, device_index, max_programs, triton_modules
+from fp8guard.agent.kernels._launch import (
+    BLOCK,
+    CompiledLaunch,
+    device_index,
+    max_programs,
+    specialization_key,
+    triton_modules,
+)
 from fp8guard.agent.kernels.staging import Staging
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -86,6 +93,10 @@ class TableSumOfSquares:
         self._staging = Staging(torch.zeros(max(1, self.count), dtype=torch.int64, device=device))
         self.pointed = False
         """Whether the address table was filled at least once (before that, calls return None)."""
+        self._launch = CompiledLaunch()
+        self._args = (self._staging.table, self._blk_tensor, self._blk_start, self._numel, self._partials,
+                      self.n_blocks)
+        self._key: tuple[object, ...] | None = None
 
     def point(self, addresses: Sequence[int]) -> bool:
         """Point the table at the tensors at ``addresses`` (one per shape, in order); False when
@@ -103,7 +114,13 @@ class TableSumOfSquares:
             return None
         import triton.language as tl
 
-        _kernel()[(self._grid,)](
-            self._staging.table, self._blk_tensor, self._blk_start, self._numel, self._partials, self.n_blocks,
-            DTYPE=getattr(tl, _TL_DTYPE[self.dtype]), BLOCK=self.block, ITERS=self._iters, num_warps=8)
+        consts = (getattr(tl, _TL_DTYPE[self.dtype]), self.block, self._iters)
+
+        def jit() -> Any:
+            return _kernel()[(self._grid,)](*self._args, DTYPE=consts[0], BLOCK=self.block, ITERS=self._iters,
+                                            num_warps=8)
+
+        # Every argument is this object's own buffer, at a fixed address: one key for good.
+        self._key = self._key or (self.dtype, self.block, self._iters, *specialization_key(self._args))
+        self._launch(self._grid, self._args, consts, jit, key=self._key)
         return self._partials.sum()

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from fp8guard.agent.kernels._launch import device_index, interpret, triton_modules
+from fp8guard.agent.kernels._launch import (
+    CompiledLaunch,
+    device_index,
+    interpret,
+    specialization_key,
+    triton_modules,
+)
 
 __all__ = ["INPUT_DTYPES", "PARAMS", "TripwireCheck"]
 
@@ -145,8 +151,8 @@ class TripwireCheck:
         self.local, self.shared = int(local), int(shared)
         self.launches = 0
         """Kernel launches so far (one per call)."""
-        self._compiled: dict[tuple[Any, ...], Any] = {}
-        self._fast = state.device.type == "cuda" and not interpret()
+        self._launch = CompiledLaunch()
+        self._launch.fast = state.device.type == "cuda" and not interpret()
 
     def accepts(self, value: torch.Tensor | None, *, saturation: bool = False) -> bool:
         """Whether the kernel reads ``value`` as the torch path would (on the state's device, of
@@ -172,21 +178,8 @@ class TripwireCheck:
                   norm_t.dtype == torch.bfloat16, self.local, self.shared, _SAT_BLOCK, -(-n_sat // _SAT_BLOCK))
         self.launches += 1
         args = (loss_t, norm_t, sat_t, self.state, self.params, self.bits, n_sat)
-        if self._fast:
-            key = (consts, loss_t.dtype, norm_t.dtype, device_index(self.state.device))
-            compiled = self._compiled.get(key)
-            if compiled is not None:
-                try:
-                    compiled[(1, 1, 1)](*args, *consts)
-                    return self.bits
-                except Exception:  # an API drift in Triton's launcher: the JIT from now on, same result
-                    self._fast = False
-                    self._compiled.clear()
-            handle = self._jit(args, consts)
-            if self._fast and handle is not None and hasattr(handle, "__getitem__"):
-                self._compiled[key] = handle
-            return self.bits
-        self._jit(args, consts)
+        self._launch(1, args, consts, lambda: self._jit(args, consts),
+                     key=(*consts, device_index(self.state.device), *specialization_key(args)))
         return self.bits
 
     def _jit(self, args: tuple[Any, ...], consts: tuple[Any, ...]) -> Any:

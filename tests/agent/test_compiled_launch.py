@@ -1,0 +1,118 @@
+"""Kernel launches through the compiled handle (``kernels._launch.CompiledLaunch``).
+
+On the CPU: what the handle is keyed on, and the fall-back to the JIT when a handle fails. On a
+CUDA GPU (skipped elsewhere): each fixed-argument kernel run through its cached handle gives the
+bits the JIT gives, also when a later call's tensors sit at an alignment the first call's did not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fp8guard.agent.kernels._launch import CompiledLaunch, specialization_key, triton_modules  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or triton_modules() is None, reason="needs a CUDA GPU and Triton")
+
+
+def test_the_key_follows_what_triton_specialises_on() -> None:
+    base = torch.zeros(64)
+    aligned, offset = base[4:], base[1:]  # 16 bytes in, 4 bytes in
+    assert specialization_key([aligned]) == specialization_key([base])
+    assert specialization_key([offset]) != specialization_key([aligned])
+    assert specialization_key([base.to(torch.bfloat16)]) != specialization_key([base])
+    assert specialization_key([32]) == specialization_key([48]) != specialization_key([33])
+    assert specialization_key([1]) != specialization_key([17])  # 1 is specialised as a constant
+    assert specialization_key([2**31]) != specialization_key([16])  # 64-bit argument
+    assert specialization_key([True]) == specialization_key([False])  # bools are constants, passed as such
+
+
+class _Handle:
+    """What a compiled kernel's ``__getitem__`` gives; this one's launcher refuses its arguments."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def __getitem__(self, grid: tuple[int, int, int]) -> Any:
+        def run(*args: Any) -> None:
+            self.calls.append("handle")
+            raise TypeError("launcher signature changed")
+        return run
+
+
+def test_a_failing_handle_falls_back_to_the_jit_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    calls: list[str] = []
+    launch = CompiledLaunch()
+
+    def jit() -> _Handle:
+        calls.append("jit")
+        return _Handle(calls)
+
+    for _ in range(4):
+        launch(1, (torch.zeros(4), 8), (True,), jit)
+    # compiled once, the handle tried once (it failed: the JIT ran that launch), then the JIT only
+    assert calls == ["jit", "handle", "jit", "jit", "jit"]
+    assert not launch.fast and launch.cached == 0
+
+
+def test_under_the_interpreter_every_call_goes_through_the_jit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls: list[str] = []
+    launch = CompiledLaunch()
+    for _ in range(3):
+        launch(1, (torch.zeros(4),), (), lambda: calls.append("jit") or _Handle(calls))
+    assert calls == ["jit"] * 3 and launch.cached == 0
+
+
+@gpu
+def test_table_norm_through_the_handle_equals_the_jit() -> None:
+    from fp8guard.agent.kernels.table_norm import TableSumOfSquares
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    numels = [4096 * 3 + 5, 77, 1, 50_000]
+    cached = TableSumOfSquares(numels, torch.bfloat16, torch.device("cuda"))
+    jit_only = TableSumOfSquares(numels, torch.bfloat16, torch.device("cuda"))
+    jit_only._launch.fast = False
+    for step in range(4):
+        grads = [torch.randn(n, generator=g, device="cuda").to(torch.bfloat16) * (step + 1) for n in numels]
+        ptrs = [t.data_ptr() for t in grads]
+        assert cached.point(ptrs) and jit_only.point(ptrs)
+        got, want = cached(), jit_only()
+        assert got is not None and want is not None
+        assert torch.equal(got, want), step
+        ref = sum(float(t.double().square().sum()) for t in grads)
+        assert float(got) == pytest.approx(ref, rel=1e-5)
+    assert cached._launch.fast and cached._launch.cached == 1
+
+
+@gpu
+def test_history_gather_through_the_handle_equals_the_jit() -> None:
+    from fp8guard.agent.kernels.history_gather import HistoryGather
+
+    n, length = 40, 16
+    g = torch.Generator(device="cuda").manual_seed(4)
+    history = torch.rand(length, n, generator=g, device="cuda") * 100
+    history[3, 5] = float("nan")
+    scales = torch.rand(n, generator=g, device="cuda") + 0.5
+    at = [history.data_ptr() + 4 * c for c in range(n)]
+    scale_at = [scales.data_ptr() + 4 * c for c in range(n)]
+    gathers = [HistoryGather([448.0] * n, [1.0] * n, torch.device("cuda")) for _ in range(2)]
+    gathers[1]._launch.fast = False
+    for gather in gathers:
+        assert gather.point(at, [length] * n, [n] * n, scale_at)
+    ring = torch.zeros(2, 5, 3 * n + 1, device="cuda")  # row views at two alignments
+    for step, offset in enumerate((0, 1, 0, 1)):
+        outs = []
+        for k, gather in enumerate(gathers):
+            in_use = torch.full((n,), float(step + 1), device="cuda")
+            keep = torch.ones(n, device="cuda")
+            out = ring[k, :3, offset:offset + n]
+            gather(out, in_use=in_use, keep=keep, rows=(0, 1, 2))
+            outs.append(out.clone())
+        assert torch.equal(outs[0].nan_to_num(-1.0), outs[1].nan_to_num(-1.0)), step
+        history.mul_(1.5)
+    assert gathers[0]._launch.fast and gathers[0]._launch.cached == 2  # one handle per alignment
