@@ -138,6 +138,8 @@ class TESource:
         fp8guard's fused kernel) or ``hooks`` (module hooks: the operands they can reach)."""
         self._inspect: Any = None
         self._inspect_open = False
+        self._inspect_layers: dict[str, nn.Module] = {}
+        """TE debug layer name -> the module it belongs to (exact counts through inspection)."""
         if self.exact_counts == "inspect":
             from fp8guard.agent.sources import te_inspect
 
@@ -189,6 +191,7 @@ class TESource:
                                   "them unique name= arguments")
             layer = te_name + (c.spec.module[-4:] if c.kind == "layernorm_mlp" else "")
             targets[(layer, tensor_name)] = (c.index, c.fmt)
+            self._inspect_layers[layer] = c.module
         return targets
 
     def prepare_step(self, step: int, count_every: int) -> None:
@@ -255,6 +258,7 @@ class TESource:
                 continue
             self._switch(module, enabled, reset=True)
         self._update_fp8_mask()
+        self._route_counts()
         if self._delayed is not None:
             self._delayed.refresh()  # TE's reset copies in place today; the next read checks every entry anyway
 
@@ -304,10 +308,12 @@ class TESource:
                 if name in fp8:
                     # a trial (a module held in BF16, tried in FP8) starts fresh, as a re-promotion would
                     self._switch(module, fp8[name], reset=fp8[name] and not before[name])
+            self._route_counts()
             yield
         finally:
             for name, module in self._switchable:
                 self._switch(module, before[name], reset=False)
+            self._route_counts()
             with torch.no_grad():
                 for live, copy in saved:
                     live.copy_(copy)
@@ -334,6 +340,19 @@ class TESource:
         flags = [0.0 if id(c.module) in in_bf16 else 1.0 for c in self._columns]
         # a host-to-device copy at a fallback or promotion only, never per step
         self._fp8_mask = torch.tensor(flags, dtype=torch.float32, device=self._hooks.amax.device)
+
+    def _route_counts(self) -> None:
+        """Keep the modules running in BF16 off TE's debug path (see ``InspectCounts.high_precision``):
+        their layers are never counted, and every module asks TE's routing question again at its
+        next forward, so a switch made mid-iteration (a probe) takes effect at once."""
+        if self._inspect is None:
+            return
+        self._inspect.high_precision = frozenset(
+            layer for layer, m in self._inspect_layers.items() if "_fp8guard_forward" in m.__dict__)
+        if self._inspect_open:
+            from fp8guard.agent.sources import te_inspect
+
+            te_inspect.requery(self._switchable)
 
     def stop_counting(self) -> None:
         """Leave TE's debug path for good (monitor closed or switched off): TE is told that no

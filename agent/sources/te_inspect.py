@@ -94,6 +94,12 @@ class InspectCounts:
         self.active = True
         self.calls = 0
         """inspect_tensor calls that counted something (a host-side tally, for tests and benches)."""
+        self.high_precision: frozenset[str] = frozenset()
+        """TE layer names whose module runs in high precision (fp8guard's BF16 fallback, or a
+        probe's plan): never counted, so TE keeps them off its debug path. There is nothing to
+        count (no FP8 cast), and TE 2.20.2's debug path does not cast a high-precision GEMM's
+        input to torch autocast's dtype: on the H200 cuBLAS refused a BF16 weight with a float32
+        input (``Input matrices types mismatch``) at the first counted step after a fallback."""
         self.variant = "auto"
         """``auto``: the FP8-bytes kernel where the cast has element-for-element bytes, else the
         high-precision kernel; ``hp`` or ``bytes`` force one (a forced variant that lacks its input
@@ -104,11 +110,12 @@ class InspectCounts:
         if not self.active or (layer_name, tensor_name) not in self.targets:
             return False, None
         if not self.owning:
-            return self.armed, iteration + 1
-        if self.every <= 0:
-            return self.armed, (iteration + 1) if self.armed else None
-        nxt = (iteration // self.every + 1) * self.every
-        return self.armed, nxt
+            nxt: int | None = iteration + 1
+        elif self.every <= 0:
+            nxt = (iteration + 1) if self.armed else None
+        else:
+            nxt = (iteration // self.every + 1) * self.every
+        return self.armed and layer_name not in self.high_precision, nxt
 
     def inspect(self, layer_name: str, tensor_name: str, tensor: torch.Tensor | None, quantized: Any,
                 quantizer: Any) -> None:
@@ -297,6 +304,21 @@ def set_iteration(step: int, modules: Sequence[tuple[str, Any]] = (), *, requery
                 m.next_iter_when_debug_should_be_run = step
                 # ...and treat the next forward as a new iteration even at the same number
                 m.debug_last_iteration = None
+
+
+def requery(modules: Sequence[tuple[str, Any]]) -> None:
+    """Make the modules ask TE's routing question again at their next forward, even within the
+    iteration they already asked in (a module switched precision: whether it counts changed)."""
+    import nvdlfw_inspect.api as debug_api
+
+    manager = debug_api.DEBUG_MANAGER
+    if manager is None:
+        return
+    step = manager._trainer_iteration_count
+    for _, m in modules:
+        if hasattr(m, "next_iter_when_debug_should_be_run"):
+            m.next_iter_when_debug_should_be_run = step
+            m.debug_last_iteration = None
 
 
 def bump_iteration(modules: Sequence[tuple[str, Any]] = ()) -> None:

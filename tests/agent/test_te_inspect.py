@@ -39,6 +39,18 @@ def test_schedule_owning_session_predicts_the_next_counted_step() -> None:
     assert c.enabled(40, "layer0.qkv", "activation") == (False, None)
 
 
+def test_layers_in_high_precision_are_never_counted_but_asked_again_on_schedule() -> None:
+    c = _counter()
+    c.owning, c.every, c.armed = True, 10, True
+    c.high_precision = frozenset({"layer0.qkv"})
+    assert c.enabled(30, "layer0.qkv", "activation") == (False, 40)  # asked again: it may be promoted
+    assert c.enabled(30, "layer0.mlp.fc2", "gradient") == (True, 40)
+    c.owning = False
+    assert c.enabled(31, "layer0.qkv", "activation") == (False, 32)
+    c.high_precision = frozenset()
+    assert c.enabled(32, "layer0.qkv", "activation") == (True, 33)
+
+
 def test_schedule_joined_session_asks_every_iteration() -> None:
     c = _counter()
     c.owning, c.every, c.armed = False, 10, True

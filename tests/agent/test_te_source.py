@@ -675,3 +675,43 @@ def test_inspect_counts_every_operand_and_agree_with_the_hooks() -> None:
     assert int(got_i[:, ~both].sum()) > 0  # operands only the inspection path reaches were counted
     inspect.close()
     hooks.close()
+
+
+def test_counted_steps_keep_modules_in_bf16_off_the_debug_path() -> None:
+    """Float32 parameters under torch autocast, counting every step through TE's inspection API:
+    a module fallen back to BF16 (and one a probe's plan puts in BF16 mid-iteration) runs TE's
+    normal path and is not counted. TE 2.20.2's debug path does not cast such a GEMM's input to
+    autocast's dtype: before the fix cuBLAS refused it (``Input matrices types mismatch``, the
+    heal bench's guarded run at the first counted step after its fallback)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(te.Linear(128, 128, name="first"), te.Linear(128, 128, name="second")).to(DEV)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=True, recipe=recipe):
+            return model(x).float().pow(2).mean()
+
+    x = torch.randn(64, 128, device=DEV)
+    forward(x).backward()
+    source = te_source.discover(model, required=True, exact_counts="inspect")
+    assert source is not None and all(source.counted)
+    source.set_fp8(["0"], False)
+    n = len(source.tensors())
+    for step in (1, 2):
+        source.prepare_step(step, 1)
+        source.arm_counts(True)
+        forward(x * 8.0).backward()
+        with torch.no_grad(), source.probe({"1": False}):  # a probe's plan, within the counted iteration
+            forward(x)
+    got = torch.zeros(2, n, dtype=torch.int64, device=DEV)
+    source.read_counts(got)
+    first = torch.tensor([s.module == "0" for s in source.tensors()], device=DEV)
+    assert int(got[:, first].sum()) == 0  # in BF16: no FP8 cast, nothing counted
+    assert int(got[:, ~first].sum()) > 0  # the FP8 module was counted on its training steps
+    source.set_fp8(["0"], True)  # promoted: counted again
+    source.prepare_step(3, 1)
+    source.arm_counts(True)
+    forward(x * 8.0).backward()
+    source.read_counts(got)
+    assert int(got[:, first].sum()) > 0
+    source.close()
