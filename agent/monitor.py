@@ -71,6 +71,9 @@ class Monitor:
     def __init__(self, config: MonitorConfig | None = None, *, transport: Transport | None = None) -> None:
         self.config = config or MonitorConfig()
         self._transport = transport
+        self.hears_commands = True
+        """Whether a decision can reach this monitor (False behind a ``NullTransport``): a trip
+        waits up to ``tripwire_wait_s`` for one only if it can."""
         self._attached = False
         self._closed = False
         self._broken = False
@@ -169,6 +172,7 @@ class Monitor:
         if self.reporting:
             transport = self._transport or self._default_transport(model)
             self._shipper = Shipper(transport, max_queue=cfg.max_pending_flushes)
+            self.hears_commands = bool(getattr(transport, "delivers_commands", True))
             if cfg.tripwire and cfg.url is not None and self._transport is None:
                 self._listener = CommandListener(cfg.url, self.run_id, self.receive_commands,
                                                  timeout_s=cfg.timeout_s, token=cfg.token)

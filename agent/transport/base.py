@@ -70,6 +70,10 @@ class Transport(Protocol):
 class NullTransport:
     """Discards every payload and counts it; for benchmarks and for turning shipping off."""
 
+    delivers_commands = False
+    """No service hears these payloads, so no decision can come back: the monitor never waits
+    for one after a trip (a transport without this attribute is assumed to deliver commands)."""
+
     def __init__(self) -> None:
         self._stats = TransportStats()
 

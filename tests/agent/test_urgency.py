@@ -5,6 +5,8 @@ a new incident ship at once again."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +121,35 @@ def test_an_applied_command_probes_again(tmp_path: Path) -> None:
     # the command applies at step 50's boundary and drops the verdicts pending then (step 50's):
     # step 51's trip, read at step 52, is the new incident's first
     assert probed[probed.index(36) + 1:probed.index(36) + 6] == [52, 53, 54, 55, 59], probed
+
+
+def test_a_trip_waits_for_a_decision_only_where_one_can_come(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind a NullTransport (shipping off) no service can answer: a trip does not wait
+    ``tripwire_wait_s`` for a decision (on the H200 each such wait showed as a 250 ms step in the
+    torchao bench's monitored blocks). Behind a transport that may deliver commands it waits."""
+    from fp8guard.agent import NullTransport, urgency
+
+    main = threading.get_ident()
+    naps: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(s: float) -> None:
+        if threading.get_ident() == main:
+            naps.append(s)
+        real_sleep(s)
+
+    monkeypatch.setattr(urgency.time, "sleep", sleep)
+
+    def waits(transport: Any) -> int:
+        naps.clear()
+        monitor = Monitor(MonitorConfig(run_id="waits", flush_interval_steps=1000, flush_interval_s=3600.0,
+                                        tripwire_wait_s=0.05, harm_interval_steps=0), transport=transport)
+        monitor.attach(torch.nn.Linear(4, 4))
+        for loss in [1.0] * 20 + [10.0] * 4:  # the loss jumps 10x: trips, read a step later
+            monitor.step(torch.tensor(loss), grad_norm=torch.tensor(1.0))
+        monitor.close()
+        return len(naps)
+
+    assert waits(JsonlFileTransport(tmp_path / "t.jsonl")) > 0
+    assert waits(NullTransport()) == 0
