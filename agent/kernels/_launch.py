@@ -75,7 +75,7 @@ def specialization_key(args: Sequence[Any]) -> tuple[Hashable, ...]:
         if isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
         elif isinstance(a, bool) or not isinstance(a, int):
-            key.append(type(a))
+            key.append(type(a).__name__)
         else:
             key.append((a % 16 == 0, a == 1, -(2**31) <= a < 2**31))
     return tuple(key)
