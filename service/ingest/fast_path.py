@@ -39,7 +39,7 @@ class IngestFastPath:
 
     def __init__(self, app: ASGIApp, *, router: APIRouter) -> None:
         self.app = app
-        routes = [r for r in router.routes if isinstance(r, APIRoute) and r.path == _PATH and "POST" in r.methods]
+        routes = [r for r in router.routes if isinstance(r, APIRoute) and r.path == _PATH and "POST" in (r.methods or ())]
         if len(routes) != 1:
             raise ValueError(f"IngestFastPath: the router has {len(routes)} POST {_PATH} routes, not one")
         self.route = routes[0]
