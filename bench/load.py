@@ -17,6 +17,14 @@ probes, spread over the load, each register a run, send a healthy batch, long-po
 batch whose last loss is NaN and one of whose amaxes is infinite: the decision latency is from that batch's answer to the first
 non-empty command list (0 and counted ``in_answer`` when the answer itself carried it).
 
+How agents send (``--client``): ``agent``, the default with ``--rate 0``, is the agent's own
+transport: each agent a thread with a blocking ``httpx.Client`` that posts one batch and waits
+for its answer (``fp8guard/agent/transport/link.py``, ``delivery.py``'s ``Courier``); ``async``,
+the default otherwise, runs every agent as a task of one event loop, an ``httpx.AsyncClient``
+each. Both report the load generator's CPU per batch; on the 2-core bench host the async client
+took ~2x the CPU per request of the blocking one (2.5 vs 1.24 ms), CPU the service on the same
+host then lacked, so one unthrottled agent measured the load generator as much as the service.
+
     python bench/load.py --agents 50 --rate 1 --duration 30 --json
     python bench/load.py --agents 1 --rate 0 --duration 15 --json
     python bench/load.py --database both --agents 200 --rate 0.5
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -40,8 +49,10 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,6 +159,7 @@ class Tally:
     errors: int = 0
     examples: list[str] = field(default_factory=list)
     acked: dict[str, list[int]] = field(default_factory=dict)  # run -> [batches, samples]
+    lock: threading.Lock = field(default_factory=threading.Lock)  # agent threads (--client agent)
 
     def error(self, text: str) -> None:
         self.errors += 1
@@ -206,6 +218,63 @@ async def _agent(client: httpx.AsyncClient, batches: Batches, tally: Tally, run_
         step += batches.steps
         sent += 1
         have_table = await _send(client, tally, run_id, body, first=not have_table) is not None or have_table
+    return (due if rate > 0 else sent), sent
+
+
+def _send_sync(client: httpx.Client, tally: Tally, run_id: str, body: bytes, first: bool = False) -> bool:
+    """``_send`` as the agent's shipper does it: a blocking ``httpx.Client.post`` from its own thread."""
+    t0 = time.perf_counter()
+    try:
+        r = client.post("/v1/ingest", content=body, headers=HEADERS)
+    except httpx.HTTPError as exc:
+        with tally.lock:
+            tally.error(f"{type(exc).__name__}: {exc}")
+        return False
+    latency = time.perf_counter() - t0
+    if not r.is_success:
+        with tally.lock:
+            tally.error(f"{r.status_code} {r.text}")
+        return False
+    answer: dict[str, Any] = r.json()
+    with tally.lock:
+        tally.latencies.append(latency)
+        tally.sent_at.append(t0)
+        if first:
+            tally.first.append(len(tally.latencies) - 1)
+        acked = tally.acked.setdefault(run_id, [0, 0])
+        if not answer.get("duplicate"):
+            acked[0] += 1
+            acked[1] += int(answer.get("samples", 0))
+    return True
+
+
+def _agent_thread(client: httpx.Client, batches: Batches, tally: Tally, run_id: str, rate: float,
+                  t_start: float, t_end: float, prepared: Prepared | None = None) -> tuple[int, int]:
+    """``_agent`` in a thread of its own with a blocking client (``--client agent``)."""
+    offset = random.uniform(0.0, 1.0 / rate) if rate > 0 else 0.0
+    limit = math.ceil((t_end - t_start) * rate) + 1 if rate > 0 else 10_000_000
+    due = sent = step = 0
+    have_table = False
+    for k in range(limit):
+        if rate > 0:
+            at = t_start + offset + k / rate
+            if at >= t_end:
+                break
+            due += 1
+            if (delay := at - time.monotonic()) > 0:
+                time.sleep(delay)
+        elif time.monotonic() >= t_end:
+            break
+        if prepared is not None and k < len(prepared.parts) and (k == 0) != have_table:
+            head, packed, tail = prepared.parts[k]
+            body = head + packed + tail
+        else:
+            if prepared is not None:
+                prepared.built_in_window += 1
+            body = batches.body(run_id, step, k, with_tensors=not have_table)
+        step += batches.steps
+        sent += 1
+        have_table = _send_sync(client, tally, run_id, body, first=not have_table) or have_table
     return (due if rate > 0 else sent), sent
 
 
@@ -314,13 +383,23 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         return httpx.AsyncClient(base_url=base, timeout=30.0, headers=agent,
                                  limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
 
+    loop = asyncio.get_running_loop()
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(connection()) for _ in range(args.agents)]
+        runs = [f"load-{tag}-{i}" for i in range(args.agents)]
+        if args.client == "agent":
+            # As the agent's shipper (fp8guard/agent/transport/link.py): its own blocking
+            # httpx.Client, posting from a background thread, one batch at a time.
+            blocking = [stack.enter_context(httpx.Client(base_url=base, timeout=30.0, headers=agent))
+                        for _ in range(args.agents)]
+            pool = stack.enter_context(ThreadPoolExecutor(max_workers=args.agents, thread_name_prefix="agent"))
+            registered = await asyncio.gather(*(loop.run_in_executor(pool, functools.partial(
+                c.put, f"/v1/runs/{run}", json={"model": "load"})) for c, run in zip(blocking, runs, strict=True)))
+        else:
+            clients = [await stack.enter_async_context(connection()) for _ in range(args.agents)]
+            registered = await asyncio.gather(*(c.put(f"/v1/runs/{run}", json={"model": "load"})
+                                                for c, run in zip(clients, runs, strict=True)))
         probers = [await stack.enter_async_context(connection(2)) for _ in range(args.decisions)]
         reader = await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=30.0, headers=admin))
-        runs = [f"load-{tag}-{i}" for i in range(args.agents)]
-        registered = await asyncio.gather(*(c.put(f"/v1/runs/{run}", json={"model": "load"})
-                                            for c, run in zip(clients, runs, strict=True)))
         for r in registered:
             r.raise_for_status()
         prepared = None
@@ -338,9 +417,14 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         probes = [asyncio.create_task(_probe(probers[i], batches, probe_tally, f"probe-{i}-{tag}",
                                              t_start + args.duration * (i + 0.5) / args.decisions))
                   for i in range(args.decisions)]
-        counts = await asyncio.gather(*(_agent(c, batches, tally, run, args.rate, t_start, t_end,
-                                               prepared[i] if prepared else None)
-                                        for i, (c, run) in enumerate(zip(clients, runs, strict=True))))
+        if args.client == "agent":
+            counts = await asyncio.gather(*(loop.run_in_executor(pool, _agent_thread, c, batches, tally, run, args.rate,
+                                                                 t_start, t_end, prepared[i] if prepared else None)
+                                            for i, (c, run) in enumerate(zip(blocking, runs, strict=True))))
+        else:
+            counts = await asyncio.gather(*(_agent(c, batches, tally, run, args.rate, t_start, t_end,
+                                                   prepared[i] if prepared else None)
+                                            for i, (c, run) in enumerate(zip(clients, runs, strict=True))))
         wall = time.monotonic() - t_start
         decisions = await asyncio.gather(*probes)
         server_cpu, client_cpu = _cpu_s(server_pid) - cpu_start, time.process_time() - client_cpu_start
@@ -365,7 +449,7 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         Path(os.environ["FP8GUARD_LOAD_TRACE"]).write_text(json.dumps(
             [[round(t - sent.min(), 4), round(x, 2)] for t, x in zip(sent.tolist(), lat.tolist(), strict=True)]))
     return {
-        "database": args.database, "agents": args.agents, "rate": args.rate, "duration_s": args.duration,
+        "database": args.database, "client": args.client, "agents": args.agents, "rate": args.rate, "duration_s": args.duration,
         "tensors": args.tensors, "stats": len(batches.stats), "steps_per_batch": args.steps_per_batch,
         "samples_per_batch": args.steps_per_batch * args.tensors, "batches": len(tally.latencies),
         "batches_per_s": round(len(tally.latencies) / wall, 2),
@@ -381,8 +465,8 @@ async def _load(base: str, args: argparse.Namespace, tokens: dict[str, str] | No
         # the service process's CPU time over the load (all its threads), per batch answered
         "server_cpu_ms_per_batch": round(server_cpu * 1e3 / max(1, len(tally.latencies)), 2)
         if server_pid is not None else None,
-        # the load generator's own CPU per batch and how late its event loop ran: on a shared
-        # machine its delays are part of every latency above
+        # the load generator's own CPU per batch (all its threads) and how late its event loop ran:
+        # on a shared machine its delays are part of every latency above
         "client_cpu_ms_per_batch": round(client_cpu * 1e3 / max(1, len(tally.latencies)), 2),
         "client_loop_lag_ms": {"p99": round(float(np.percentile(lags, 99)), 1) if lags else None,
                                "max": round(max(lags), 1) if lags else None},
@@ -471,7 +555,12 @@ def main() -> None:
                         help="build every agent's bodies before the timed window (the agent's encoding runs on the "
                              "training host in production); the default builds each body just before sending it")
     parser.add_argument("--auth", action="store_true", help="require tokens (FP8GUARD_AUTH=required), as deployed")
+    parser.add_argument("--client", choices=("agent", "async"),
+                        help="agent: each agent a thread with a blocking httpx.Client, as the agent's shipper sends; "
+                             "async: every agent a task on one event loop with an httpx.AsyncClient. "
+                             "Default: agent with --rate 0, async otherwise")
     args = parser.parse_args()
+    args.client = args.client or ("agent" if args.rate == 0 else "async")
     if min(args.agents, args.tensors, args.stats, args.steps_per_batch) < 1 or args.rate < 0 \
             or not 0 < args.duration <= 3600 or args.decisions < 0:
         parser.error("need agents, tensors, stats, steps-per-batch >= 1; rate >= 0; 0 < duration <= 3600; "

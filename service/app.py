@@ -29,6 +29,7 @@ from fp8guard.service.domain import Batch, IngestResult
 from fp8guard.service.errors import install_handlers
 from fp8guard.service.ingest import routes as ingest_routes
 from fp8guard.service.ingest.committer import Committer
+from fp8guard.service.ingest.fast_path import IngestFastPath
 from fp8guard.service.kinds import Role
 from fp8guard.service.loop.channel import CommandChannel
 from fp8guard.service.loop.judge import Judge
@@ -104,6 +105,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app.include_router(token_routes.router)
     app.include_router(web_router())
     install_page_errors(app)
+    app.add_middleware(IngestFastPath, router=ingest_routes.router)  # before install_metrics: inside its middleware
     install_metrics(app, store, dependencies=read)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -18,6 +18,7 @@ Routes never catch SQLAlchemy errors; the store converts them at its boundary.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
@@ -41,6 +43,7 @@ __all__ = [
     "ServiceError",
     "StorageUnavailable",
     "Unauthorized",
+    "error_response",
     "install_handlers",
 ]
 
@@ -149,3 +152,26 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
     app.add_exception_handler(RequestValidationError, invalid)
+
+
+async def error_response(request: Request, exc: Exception) -> Response | None:
+    """The answer the app's exception handlers (those ``install_handlers`` and FastAPI register)
+    give ``exc``, found the way Starlette's exception middleware finds one: an HTTP exception's
+    status code first, then the exception's classes, most specific first; handlers for 500 and
+    ``Exception`` belong to the server-error middleware and are skipped. None when no handler
+    applies: the caller re-raises, and the server-error middleware answers 500.
+
+    For code that answers a request outside FastAPI's router (``ingest.fast_path``), so its
+    errors read exactly like every other route's."""
+    handlers = request.app.exception_handlers
+    handler = None
+    if isinstance(exc, StarletteHTTPException) and exc.status_code != 500:
+        handler = handlers.get(exc.status_code)
+    if handler is None:
+        handler = next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers and cls is not Exception), None)
+    if handler is None:
+        return None
+    answer = await handler(request, exc) if asyncio.iscoroutinefunction(handler) \
+        else await run_in_threadpool(handler, request, exc)
+    assert isinstance(answer, Response)
+    return answer

@@ -104,7 +104,9 @@ async def ingest(request: Request) -> Response:
     command it issues reaches ``GET /v1/runs/{run_id}/commands?wait=S`` at once."""
     # The hottest route takes no FastAPI dependencies: solving them (the token schemes, the
     # settings, the committer) was a quarter of the event loop's time per batch. It makes the
-    # check ``IngestAccess`` makes itself, before the body is read.
+    # check ``IngestAccess`` makes itself, before the body is read. The app calls this function
+    # from ``IngestFastPath`` (``ingest/fast_path.py``), past FastAPI's router; the route stays
+    # registered for the OpenAPI document and for an app built without that middleware.
     principal = await authorize(request, Role.INGEST)
     committer: Committer = request.app.state.committer
     settings: Settings = request.app.state.settings

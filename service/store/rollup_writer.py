@@ -113,13 +113,33 @@ def merge_rollups(
         existing = _read_rollups(conn, key, ids, {lv: (int(b[0]), int(b[-1])) for lv, (b, _, _) in levels.items()})
     rows: list[tuple[Any, ...]] = []
     for level, (blocks, mins, maxs) in levels.items():
-        for k, sid in enumerate(ids):
-            for j, blk in enumerate(blocks.tolist()):
-                lo, hi = mins[j, k], maxs[j, k]
-                old = existing.get((sid, level, blk))
-                if old is not None:
-                    lo, hi = _merge(old, lo, hi)
-                rows.append((*key, sid, level, blk, buckets.pack_minmax(lo, hi)))
+        block_list = blocks.tolist()
+        width = int(mins.shape[2])
+        # Every (stat, block) row of the level at once, stat-major as the rows go out: the min
+        # plane then the max plane of each, folded with the stored rows of the same width in
+        # one numpy call (a call per row was most of a small batch's roll-up time).
+        planes = np.empty((len(ids), len(block_list), 2, width), dtype="<f4")
+        planes[:, :, 0] = mins.transpose(1, 0, 2)
+        planes[:, :, 1] = maxs.transpose(1, 0, 2)
+        flat = planes.reshape(-1, 2, width)
+        olds = [existing.get((sid, level, blk)) for sid in ids for blk in block_list]
+        size = 8 * width
+        same = [i for i, old in enumerate(olds) if old is not None and len(old) == size]
+        if same:
+            joined = b"".join([old for old in olds if old is not None and len(old) == size])
+            stored = np.frombuffer(joined, dtype="<f4").reshape(len(same), 2, width)
+            flat[same, 0] = np.minimum(flat[same, 0], stored[:, 0])
+            flat[same, 1] = np.maximum(flat[same, 1], stored[:, 1])
+        buf = flat.tobytes()
+        data = [buf[i * size:(i + 1) * size] for i in range(len(olds))]
+        for i, old in enumerate(olds):
+            if old is not None and len(old) != size:  # the run's tensor table grew: widths differ
+                data[i] = buckets.pack_minmax(*_merge(old, flat[i, 0], flat[i, 1]))
+        i = 0
+        for sid in ids:
+            for blk in block_list:
+                rows.append((*key, sid, level, blk, data[i]))
+                i += 1
             prev = new_tail.last.get((sid, level))
             if prev is None or prev[0] <= rows[-1][5]:
                 new_tail.last[(sid, level)] = (rows[-1][5], rows[-1][6])

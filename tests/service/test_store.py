@@ -54,6 +54,26 @@ def test_out_of_order_batches_merge_into_existing_rollups(store: Store) -> None:
     assert store.scalars("ooo", ["loss"], Window()).steps == steps
 
 
+def test_rollups_merge_rows_of_a_tensor_table_that_grew(store: Store) -> None:
+    """Small batches fold into stored roll-up rows a level at a time; a row written before the
+    run's tensor table grew is narrower than the new extremes, and tensors it lacks read as
+    their new values alone."""
+    store.register_run(RunSpec(run_id="grow"))
+    steps = list(range(0, 30))
+    vals = stat_values(steps, 5)
+    vals[4, 0, 1] = 9e9
+    vals[17, 0, 4] = -3.0
+    _ingest(store, batch("grow", steps[:10], n_tensors=3, values=vals[:10, :, :3]))
+    _ingest(store, batch("grow", steps[10:20], n_tensors=5, values=vals[10:20]))
+    _ingest(store, batch("grow", steps[20:], n_tensors=5, values=vals[20:], define_tensors=False))
+    m = store.tensor_matrix("grow", "amax", Window(width=1))
+    assert m.level > 1
+    np.testing.assert_array_equal(m.maximum[:3, 0], vals[:, 0, :3].max(axis=0))
+    np.testing.assert_array_equal(m.minimum[:3, 0], vals[:, 0, :3].min(axis=0))
+    np.testing.assert_array_equal(m.maximum[3:, 0], vals[10:, 0, 3:].max(axis=0))
+    np.testing.assert_array_equal(m.minimum[3:, 0], vals[10:, 0, 3:].min(axis=0))
+
+
 def test_failed_batch_leaves_no_cached_facts(store: Store) -> None:
     """A batch rolled back after defining stats must not leave stat ids in the write cache."""
     store.register_run(RunSpec(run_id="rb-cache"))
