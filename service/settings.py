@@ -85,6 +85,13 @@ class Settings(BaseSettings):
     """Threads judging runs (one run per thread at a time; runs in parallel): default 1 on SQLite
     (a pass holds the database's one write lock from its start, so a second thread only waits)
     and 2 on PostgreSQL."""
+    loop_process: bool = False
+    """Run the closed loop in a process of its own, started, supervised (restarted if it dies) and
+    drained by this one (``service/loop/process.py``); ``fp8guard serve`` turns it on unless
+    ``FP8GUARD_LOOP_PROCESS`` says otherwise. In the serving process, the loop's passes took about
+    a fifth of its GIL time under one unthrottled agent (py-spy), time the ingest path waited for;
+    in a process of its own they cost the serving process a 17-byte message per batch. Off (threads
+    of the serving process) for apps built in code, e.g. tests, which drive the loop directly."""
     loop_batch_limit: int = Field(default=256, ge=1)
     """Most queued batches one closed-loop pass judges before the run's turn passes on."""
     loop_gather_s: float = Field(default=0.02, ge=0, le=1)

@@ -40,12 +40,12 @@ from fp8guard.service.store import records, sql
 from fp8guard.service.store import series_reader as reader
 from fp8guard.service.store import telemetry_writer as writer
 from fp8guard.service.store import tokens as token_rows
-from fp8guard.service.store.engine import make_engine, verify_schema
+from fp8guard.service.store.engine import SQLITE_BUSY_TIMEOUT_MS, make_engine, verify_schema
 from fp8guard.service.store.loop_state import LoopTxn
 from fp8guard.service.store.models import SqlLoopQueue, SqlRun
 from fp8guard.service.store.series_reader import Window
 
-__all__ = ["Store", "Window"]
+__all__ = ["DatabaseBusy", "Store", "Window"]
 
 T = TypeVar("T")
 
@@ -53,6 +53,40 @@ WRITE_LOCK_TIMEOUT_S = 10.0
 """How long a SQLite write waits for this process's write lock (SQLite's own ``busy_timeout``)."""
 
 log = logging.getLogger(__name__)
+
+
+class DatabaseBusy(Exception):
+    """SQLite's write lock is held by another connection, and the transaction was not to wait."""
+
+
+def _take_sqlite_lock(session: Session, *, at_once: bool) -> None:
+    """Take SQLite's write lock with the transaction's first statement (a write that changes
+    nothing), before any read: the transaction's snapshot then starts under the lock, and a write
+    of another process (the loop's) never comes between a read of this transaction and its first
+    write (in WAL that is SQLITE_BUSY_SNAPSHOT, an error no busy timeout waits out). ``at_once``:
+    with no busy timeout, raising ``DatabaseBusy`` if another connection holds the lock. Runs on
+    the driver's cursor, so a refusal is not counted as a database error."""
+    dbapi_conn = session.connection().connection.dbapi_connection
+    assert dbapi_conn is not None
+    cursor = dbapi_conn.cursor()
+    try:
+        if not at_once:
+            cursor.execute(_LOCK_STATEMENT)
+            return
+        cursor.execute("PRAGMA busy_timeout=0")
+        try:
+            cursor.execute(_LOCK_STATEMENT)
+        except Exception as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise DatabaseBusy(str(exc)) from exc
+            raise
+        finally:
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    finally:
+        cursor.close()
+
+
+_LOCK_STATEMENT = "DELETE FROM loop_queue WHERE 0"
 
 
 class Store:
@@ -93,12 +127,19 @@ class Store:
     @contextmanager
     def _session(self, *, write: bool = False) -> Iterator[Session]:
         """Commit on success, roll back on failure, and translate database errors once, here.
-        ``write``: a transaction that writes (on SQLite it first takes the process's write lock)."""
-        if write and self._write_lock is not None and not getattr(self._holding, "lock", False):
+        ``write``: a transaction that writes (on SQLite it first takes the process's write lock,
+        then the database's: see ``_take_sqlite_lock``)."""
+        if write and self._write_lock is not None:
+            if getattr(self._holding, "lock", False):  # try_ingest_now holds the process's lock
+                with self._session() as s:
+                    _take_sqlite_lock(s, at_once=True)
+                    yield s
+                return
             if not self._write_lock.acquire(timeout=WRITE_LOCK_TIMEOUT_S):
                 raise StorageUnavailable(f"the database stayed busy for {WRITE_LOCK_TIMEOUT_S:g} s; retry later")
             try:
                 with self._session() as s:
+                    _take_sqlite_lock(s, at_once=False)
                     yield s
             finally:
                 self._write_lock.release()
@@ -240,9 +281,10 @@ class Store:
         return result
 
     def try_ingest_now(self, batch: Batch) -> list[IngestResult | ServiceError] | None:
-        """``ingest_many([batch])`` if no write of this process holds the database this instant,
-        else None at once, without waiting (the ingest committer's event-loop path: it must never
-        wait on a closed-loop pass). Always stores on PostgreSQL, which has no process lock."""
+        """``ingest_many([batch])`` if no write holds the database this instant, else None at once,
+        without waiting (the ingest committer's event-loop path: it must never wait on a closed-loop
+        pass, of this process or of the loop's own process). Always stores on PostgreSQL, which has
+        no database-wide write lock."""
         if self._write_lock is None:
             return self.ingest_many([batch])
         if not self._write_lock.acquire(blocking=False):
@@ -250,6 +292,8 @@ class Store:
         self._holding.lock = True
         try:
             return self.ingest_many([batch])
+        except DatabaseBusy:
+            return None  # another process's write holds SQLite's lock: nothing was written
         finally:
             self._holding.lock = False
             self._write_lock.release()
