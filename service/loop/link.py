@@ -1,9 +1,10 @@
 """The messages between the serving process and its loop process, over one Unix socket pair.
 
-A frame is ``<length: u32><kind: 1 byte><payload>``. Serving process -> loop process: ``BATCH``
-(a stored batch: run, queue row, whether it is non-finite; 17 bytes, so the ingest path pays one
-small ``send`` per batch and never serialises a batch) and ``DRAIN`` (judge everything told so
-far, then answer ``DRAINED``). Loop process -> serving process: ``READY``, ``COMMANDS`` (a run's
+A frame is ``<length: u32><kind: 1 byte><payload>``. Serving process -> loop process: ``HELD``
+(a stored small batch: run, queue row, whether it is non-finite, and the decoded batch, pickled),
+``BATCH`` (the same without the batch, which the loop process reads back from the database: a
+large batch, or one the socket had no room for) and ``DRAIN`` (judge everything told so far, then
+answer ``DRAINED``). Only the socket's trusted peer, a process this one spawned, sends pickles. Loop process -> serving process: ``READY``, ``COMMANDS`` (a run's
 pending commands as the pass that issued them committed them: what wakes long-polls), ``STATS``
 (the loop's counters, for ``/metrics``) and ``DRAINED``.
 """
@@ -11,15 +12,17 @@ pending commands as the pass that issued them committed them: what wakes long-po
 from __future__ import annotations
 
 import json
+import pickle
 import struct
 from collections.abc import Iterator, Sequence
 from enum import Enum
 from typing import Any
 
 from fp8guard import wire
+from fp8guard.service.domain import Batch
 
-__all__ = ["Frames", "Kind", "batch_frame", "commands_frame", "drain_frame", "drained_frame", "frame",
-           "read_batch", "read_commands", "read_drain", "read_drained", "read_stats", "stats_frame"]
+__all__ = ["Frames", "Kind", "batch_frame", "commands_frame", "drain_frame", "drained_frame", "frame", "held_frame",
+           "read_batch", "read_commands", "read_drain", "read_drained", "read_held", "read_stats", "stats_frame"]
 
 _HEADER = struct.Struct("<IB")
 _BATCH = struct.Struct("<qq?")
@@ -29,6 +32,7 @@ _DRAINED = struct.Struct("<I?")
 
 class Kind(bytes, Enum):
     BATCH = b"B"
+    HELD = b"H"
     DRAIN = b"D"
     READY = b"R"
     COMMANDS = b"C"
@@ -45,8 +49,19 @@ def batch_frame(run_pk: int, queue_id: int | None, urgent: bool) -> bytes:
 
 
 def read_batch(payload: bytes) -> tuple[int, int | None, bool]:
-    run_pk, queue_id, urgent = _BATCH.unpack(payload)
+    run_pk, queue_id, urgent = _BATCH.unpack_from(payload)
     return run_pk, None if queue_id < 0 else queue_id, urgent
+
+
+def held_frame(run_pk: int, queue_id: int, urgent: bool, batch: Batch) -> bytes:
+    """A stored batch with its decoded contents, so the loop process need not read it back."""
+    return frame(Kind.HELD, _BATCH.pack(run_pk, queue_id, urgent) + pickle.dumps(batch, protocol=5))
+
+
+def read_held(payload: bytes) -> tuple[int, int | None, bool, Batch]:
+    batch = pickle.loads(memoryview(payload)[_BATCH.size:])
+    assert isinstance(batch, Batch)
+    return (*read_batch(payload), batch)
 
 
 def drain_frame(token: int, timeout: float) -> bytes:

@@ -3,10 +3,11 @@
 In one process the loop's passes (detector, policy, their transaction) took about a fifth of the
 service's GIL time under one fast agent (py-spy), time the ingest path waited for. Here the
 serving process keeps only what acknowledgement needs; for each stored batch it sends the loop
-process 17 bytes (``link.batch_frame``: run, queue row, non-finite or not) with one
-non-blocking ``send``, and the loop process reads the batch back from the database's
-``loop_queue`` (as the sweep always did for other processes' batches) and judges it with the same
-``LoopWorker`` (gathering, urgency, per-run order, the loop lock). When a pass issues commands,
+process one frame with one non-blocking ``send``: a small batch whole (``link.held_frame``,
+pickled), a large one as 17 bytes (``link.batch_frame``: run, queue row, non-finite or not) that
+the loop process reads back from the database's ``loop_queue`` (as the sweep always did for other
+processes' batches); it judges them with the same ``LoopWorker`` (gathering, urgency, per-run
+order, the loop lock). When a pass issues commands,
 the loop process sends the run's pending commands back and ``on_commands`` wakes its long-polls
 at once; its counters come back every ``STATS_INTERVAL_S`` for ``/metrics``.
 
@@ -55,6 +56,14 @@ START_TIMEOUT_S = 120.0
 MAX_PENDING_BYTES = 4 * 2**20
 """Frames the serving process keeps while the loop process's socket buffer is full (about 240,000
 batches); beyond it, batches are not sent, and the loop's sweep finds them in ``loop_queue``."""
+HAND_OVER_MAX_SAMPLES = 50_000
+"""A stored batch of at most this many samples is handed to the loop process whole (pickled, ~0.1
+ms and 33 KB for a batch of 200 tensors x 4 stats x 10 steps); a larger one is read back from the
+database by the loop process. Read back, a small batch cost the loop process more than the
+pickle costs here, inside the pass that holds SQLite's one write lock, which the ingest writer
+then waited for."""
+HAND_OVER_MAX_PENDING = 256 * 2**10
+"""While this many bytes wait for the loop process's socket, batches are announced, not handed over."""
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 """Waits before restarting a loop process that died: the n-th restart in a row waits the n-th."""
 
@@ -97,7 +106,12 @@ class LoopProcess:
 
     def submit(self, run_pk: int, queue_id: int | None, batch: Batch | None) -> None:
         """A batch is durable: tell the loop process (never waits; see ``MAX_PENDING_BYTES``)."""
-        self._send(link.batch_frame(run_pk, queue_id, batch is not None and nonfinite(batch)), droppable=True)
+        urgent = batch is not None and nonfinite(batch)
+        if (batch is not None and queue_id is not None and batch.num_samples <= HAND_OVER_MAX_SAMPLES
+                and len(self._pending) < HAND_OVER_MAX_PENDING):
+            self._send(link.held_frame(run_pk, queue_id, urgent, batch), droppable=True)
+        else:
+            self._send(link.batch_frame(run_pk, queue_id, urgent), droppable=True)
 
     def _send(self, data: bytes, *, droppable: bool = False) -> None:
         with self._send_lock:
@@ -343,7 +357,10 @@ def run_loop(settings: Settings, sock: socket.socket | None) -> None:
             if not data:
                 break  # the serving process closed its end (shutdown) or exited
             for kind, payload in frames.feed(data):
-                if kind is Kind.BATCH:
+                if kind is Kind.HELD:
+                    run_pk, queue_id, urgent, batch = link.read_held(payload)
+                    worker.submit(run_pk, queue_id, batch, urgent=urgent)
+                elif kind is Kind.BATCH:
                     run_pk, queue_id, urgent = link.read_batch(payload)
                     worker.submit(run_pk, queue_id, None, urgent=urgent)
                 elif kind is Kind.DRAIN:
