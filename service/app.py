@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     store = store or Store.open(settings.database_url, check_schema=settings.check_schema)
     channel = CommandChannel()
     postgres = store.engine.dialect.name == "postgresql"
-    loop: LoopWorker | LoopProcess = (LoopProcess(settings, on_commands=channel.notify) if settings.loop_process
+    loop: LoopWorker | LoopProcess = (LoopProcess(settings, store, on_commands=channel.notify) if settings.loop_process
                                       else loop_worker(settings, store, channel.notify))
 
     def judge_soon(batch: Batch, result: IngestResult) -> None:

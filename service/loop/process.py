@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from fp8guard import wire
 from fp8guard.service.domain import Batch
@@ -44,6 +45,7 @@ from fp8guard.service.loop.link import Kind
 from fp8guard.service.loop.worker import LoopStats, LoopWorker, nonfinite
 from fp8guard.service.settings import Settings
 from fp8guard.service.store import Store
+from fp8guard.service.store.repository import WriteTurn
 
 __all__ = ["LoopProcess", "loop_worker", "run_loop"]
 
@@ -81,9 +83,14 @@ def loop_worker(settings: Settings, store: Store, on_commands: Callable[[str, Se
 class LoopProcess:
     """The serving process's side: ``submit``, ``drain``, ``close`` and ``stats`` as ``LoopWorker``."""
 
-    def __init__(self, settings: Settings, *,
+    def __init__(self, settings: Settings, store: Store, *,
                  on_commands: Callable[[str, Sequence[wire.Command]], None] | None = None) -> None:
         self.settings = settings
+        self._ctx = multiprocessing.get_context("spawn")  # never fork a process with threads
+        self._turn = self._ctx.RawValue("i", 0)
+        """SQLite: ingest writes waiting for the write lock hold the loop process's passes back."""
+        if store.engine.dialect.name == "sqlite":
+            store.write_turn = WriteTurn(self._turn, loop=False)
         self.on_commands = on_commands or (lambda run_id, pending: None)
         self.stats = LoopStats()
         self.stats.up = 0
@@ -157,8 +164,8 @@ class LoopProcess:
 
     def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
-        ctx = multiprocessing.get_context("spawn")  # never fork a process with threads
-        proc = ctx.Process(target=run_loop, args=(self.settings, theirs), name="fp8guard-loop", daemon=True)
+        proc = self._ctx.Process(target=run_loop, args=(self.settings, theirs, self._turn), name="fp8guard-loop",
+                                 daemon=True)
         proc.start()
         theirs.close()  # only the child holds it now: its exit closes the socket
         ours.setblocking(False)
@@ -312,9 +319,10 @@ class _Parent:
             self.sock.sendall(data)
 
 
-def run_loop(settings: Settings, sock: socket.socket | None) -> None:
+def run_loop(settings: Settings, sock: socket.socket | None, turn: Any = None) -> None:
     """The loop process: judge what the serving process announces on ``sock`` (and what the sweep
-    finds) until ``sock`` closes; with no ``sock`` (``fp8guard loop``), until SIGTERM or SIGINT."""
+    finds) until ``sock`` closes; with no ``sock`` (``fp8guard loop``), until SIGTERM or SIGINT.
+    ``turn``: the serving process's ``RawValue`` of ``WriteTurn`` (SQLite)."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(levelname)s fp8guard loop process {os.getpid()}: %(message)s")
     log.setLevel(logging.INFO)
@@ -330,6 +338,8 @@ def run_loop(settings: Settings, sock: socket.socket | None) -> None:
     sys.setswitchinterval(0.0005)  # its threads hand runs to each other, as the serving process's do
     parent = _Parent(sock)
     store = Store.open(settings.database_url, check_schema=sock is None)  # a serving process checked it
+    if turn is not None and store.engine.dialect.name == "sqlite":
+        store.write_turn = WriteTurn(turn, loop=True)
     worker = loop_worker(settings, store, lambda run_id, pending: parent.send(link.commands_frame(run_id, pending)))
     worker.start()
     worker.sweep_once()  # what a dead predecessor (or a stopped service) left unjudged

@@ -46,7 +46,7 @@ from fp8guard.service.store.loop_state import LoopTxn
 from fp8guard.service.store.models import SqlLoopQueue, SqlRun
 from fp8guard.service.store.series_reader import Window
 
-__all__ = ["DatabaseBusy", "Store", "Window"]
+__all__ = ["DatabaseBusy", "Store", "Window", "WriteTurn"]
 
 T = TypeVar("T")
 
@@ -60,7 +60,22 @@ class DatabaseBusy(Exception):
     """SQLite's write lock is held by another connection, and the transaction was not to wait."""
 
 
-def _take_sqlite_lock(session: Session, *, at_once: bool) -> None:
+class WriteTurn:
+    """Priority on SQLite's one write lock between the serving process and its loop process, in a
+    shared integer (``multiprocessing.RawValue``): while the ingest writer waits for the lock
+    (``ingest`` side) the loop process starts no pass (``loop`` side), up to ``LOOP_DEFERS_S``.
+    Without it, the loop process's passes followed each other with gaps too short for the writer's
+    retries to meet, and 50 agents' first batches (each a long first pass) waited up to 0.7 s."""
+
+    LOOP_DEFERS_S = 0.05
+    """Longest a loop pass waits for waiting ingest writes (the loop is never starved)."""
+
+    def __init__(self, shared: Any, *, loop: bool) -> None:
+        self.shared = shared
+        self.loop = loop
+
+
+def _take_sqlite_lock(session: Session, *, at_once: bool, turn: WriteTurn | None = None) -> None:
     """Take SQLite's write lock with the transaction's first statement (a write that changes
     nothing), before any read: the transaction's snapshot then starts under the lock, and a write
     of another process (the loop's) never comes between a read of this transaction and its first
@@ -71,7 +86,13 @@ def _take_sqlite_lock(session: Session, *, at_once: bool) -> None:
     dbapi_conn = session.connection().connection.dbapi_connection
     assert dbapi_conn is not None
     cursor = dbapi_conn.cursor()
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    now = time.monotonic()
+    deadline = now + SQLITE_BUSY_TIMEOUT_MS / 1000
+    if turn is not None and turn.loop:
+        defer_until = now + WriteTurn.LOOP_DEFERS_S
+        while turn.shared.value and time.monotonic() < defer_until:
+            time.sleep(SQLITE_LOCK_POLL_S / 2)
+    announced = False
     try:
         cursor.execute("PRAGMA busy_timeout=0")
         while True:
@@ -86,8 +107,13 @@ def _take_sqlite_lock(session: Session, *, at_once: bool) -> None:
                     raise DatabaseBusy(str(exc)) from exc
                 if time.monotonic() > deadline:
                     raise
+            if turn is not None and not turn.loop and not announced:
+                turn.shared.value = 1  # one writer at a time per process: the process lock
+                announced = True
             time.sleep(SQLITE_LOCK_POLL_S)
     finally:
+        if announced and turn is not None:
+            turn.shared.value = 0
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.close()
 
@@ -121,6 +147,8 @@ class Store:
         after ``WRITE_LOCK_TIMEOUT_S`` as SQLite's own busy timeout would; other processes (and the
         alert dispatcher, which writes through the engine) still wait on SQLite's."""
         self._holding = threading.local()  # .lock: this thread took the write lock (try_ingest_now)
+        self.write_turn: WriteTurn | None = None
+        """SQLite: this process's side of the write-lock priority it shares with a loop process."""
 
     @classmethod
     def open(cls, url: str, *, check_schema: bool = True) -> Store:
@@ -144,14 +172,14 @@ class Store:
         if write and self._write_lock is not None:
             if getattr(self._holding, "lock", False):  # try_ingest_now holds the process's lock
                 with self._session() as s:
-                    _take_sqlite_lock(s, at_once=True)
+                    _take_sqlite_lock(s, at_once=True, turn=self.write_turn)
                     yield s
                 return
             if not self._write_lock.acquire(timeout=WRITE_LOCK_TIMEOUT_S):
                 raise StorageUnavailable(f"the database stayed busy for {WRITE_LOCK_TIMEOUT_S:g} s; retry later")
             try:
                 with self._session() as s:
-                    _take_sqlite_lock(s, at_once=False)
+                    _take_sqlite_lock(s, at_once=False, turn=self.write_turn)
                     yield s
             finally:
                 self._write_lock.release()
