@@ -25,6 +25,7 @@ process (then it finds work by its sweep only).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -152,15 +153,20 @@ class LoopProcess:
         self._thread = threading.Thread(target=self._link, name="fp8guard-loop-link", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
+        failed = None
         with self._cv:
-            while not self._ready:
+            while not self._ready and failed is None:
                 proc = self._proc
                 if proc is not None and proc.exitcode is not None:
-                    raise RuntimeError(f"the closed loop's process exited at its start (code {proc.exitcode}); "
-                                       "its error is logged above")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the closed loop's process did not start within {START_TIMEOUT_S:g} s")
-                self._cv.wait(0.1)
+                    failed = (f"the closed loop's process exited at its start (code {proc.exitcode}); "
+                              "its error is logged above")
+                elif time.monotonic() > deadline:
+                    failed = f"the closed loop's process did not start within {START_TIMEOUT_S:g} s"
+                else:
+                    self._cv.wait(0.1)
+        if failed is not None:
+            self.close(timeout=1.0)
+            raise RuntimeError(failed)
 
     def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
@@ -219,16 +225,19 @@ class LoopProcess:
             sock, proc = self._sock, self._proc
             assert sock is not None and proc is not None
             started = time.monotonic()
-            self._serve(sock)
+            try:
+                self._serve(sock)
+            except Exception:  # a frame this side cannot read: end that loop process, start another
+                log.exception("fp8guard loop: the link to the loop process failed")
             if self._closing:
                 return
-            proc.join(5)
+            with self._send_lock:
+                self._sock = None
+            sock.close()  # a loop process still running (the link failed) ends at its socket's end
+            proc.join(self.settings.loop_drain_timeout_s + 5)
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(5)
-            with self._send_lock:
-                self._sock = None
-            sock.close()
             self._base = {k: self._base[k] + self._last[k] for k in self._base}
             self._last = dict.fromkeys(self._base, 0.0)
             self.stats.up = 0
@@ -343,6 +352,10 @@ def run_loop(settings: Settings, sock: socket.socket | None, turn: Any = None) -
     worker = loop_worker(settings, store, lambda run_id, pending: parent.send(link.commands_frame(run_id, pending)))
     worker.start()
     worker.sweep_once()  # what a dead predecessor (or a stopped service) left unjudged
+    # As `fp8guard serve` does: what was built so far lives as long as the process, out of the
+    # collector's sight, so a full collection does not walk it.
+    gc.collect()
+    gc.freeze()
     parent.send(link.frame(Kind.READY))
     log.info("judging (database: %s)", store.engine.url.render_as_string(hide_password=True))
     reported: dict[str, float] = {}
