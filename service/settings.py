@@ -90,8 +90,13 @@ class Settings(BaseSettings):
     drained by this one (``service/loop/process.py``); ``fp8guard serve`` turns it on unless
     ``FP8GUARD_LOOP_PROCESS`` says otherwise. In the serving process, the loop's passes took about
     a fifth of its GIL time under one unthrottled agent (py-spy), time the ingest path waited for;
-    in a process of its own they cost the serving process a 17-byte message per batch. Off (threads
-    of the serving process) for apps built in code, e.g. tests, which drive the loop directly."""
+    in a process of its own they cost the serving process one frame per batch, and its CPU per
+    batch fell from 6.8-11 ms to 5.3-7.5 ms (``docs/benchmarks.md``, fifth session, a shared
+    2-core host). On that host, with the load generator on the same cores, throughput and p99 were
+    the same either way within its noise, and the loop process costs more CPU in all (its own
+    wake-ups per batch, ~2 s to start): the gain needs a core the serving process does not use.
+    Off (threads of the serving process) for apps built in code, e.g. tests, which drive the loop
+    directly."""
     loop_batch_limit: int = Field(default=256, ge=1)
     """Most queued batches one closed-loop pass judges before the run's turn passes on."""
     loop_gather_s: float = Field(default=0.02, ge=0, le=1)
