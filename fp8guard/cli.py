@@ -102,6 +102,9 @@ def serve(
     auth: Annotated[str | None, typer.Option(envvar="FP8GUARD_AUTH", show_default=False,
                                              help="required | off (default: required unless HOST is loopback)")] = None,
     insecure: Annotated[bool, typer.Option(help="allow --auth off beyond loopback")] = False,
+    loop_process: Annotated[bool, typer.Option("--loop-process/--loop-threads", envvar="FP8GUARD_LOOP_PROCESS",
+                                               help="run the closed loop in a child process, or in threads "
+                                                    "of this one (default; see Settings.loop_process)")] = False,
 ) -> None:
     """Run the service. Several `serve` processes may share one PostgreSQL database."""
     _need("service", "fastapi", "sqlalchemy", "uvicorn")
@@ -113,7 +116,7 @@ def serve(
 
     url = _url(database_url)
     mode = _auth_mode(auth, host, insecure)
-    settings = Settings(database_url=url, auth=mode)
+    settings = Settings(database_url=url, auth=mode, loop_process=loop_process)
     if migrate:
         # Before uvicorn starts, never in a worker, so processes do not race to migrate.
         engine = make_engine(url)
@@ -137,6 +140,24 @@ def serve(
     gc.collect()
     gc.freeze()
     uvicorn.run(service, host=host, port=port, log_level=log_level)
+
+
+@app.command()
+def loop(database_url: DatabaseUrl = None) -> None:
+    """Run a closed loop on its own, without serving: it judges the batches every `serve` process
+    stored in the database's queue (found by its sweep, every FP8GUARD_LOOP_SWEEP_INTERVAL_S), until
+    SIGTERM or Ctrl-C. More judging capacity for several `serve` processes on one PostgreSQL."""
+    _need("service", "fastapi", "sqlalchemy")
+    from fp8guard.service import Settings
+    from fp8guard.service.errors import SchemaNotAtHead
+    from fp8guard.service.loop.process import run_loop
+
+    try:
+        settings = Settings(database_url=_url(database_url))
+        typer.echo(f"fp8guard loop judging (database: {settings.database_url})", err=True)
+        run_loop(settings, None)
+    except SchemaNotAtHead as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command()

@@ -32,7 +32,7 @@ from fp8guard.service.ingest.committer import Committer
 from fp8guard.service.ingest.fast_path import IngestFastPath
 from fp8guard.service.kinds import Role
 from fp8guard.service.loop.channel import CommandChannel
-from fp8guard.service.loop.judge import Judge
+from fp8guard.service.loop.process import LoopProcess, loop_worker
 from fp8guard.service.loop.worker import LoopWorker
 from fp8guard.service.queries import loop as loop_queries
 from fp8guard.service.queries import runs as run_queries
@@ -53,10 +53,8 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     store = store or Store.open(settings.database_url, check_schema=settings.check_schema)
     channel = CommandChannel()
     postgres = store.engine.dialect.name == "postgresql"
-    loop = LoopWorker(store, Judge(settings.alerts, batch_limit=settings.loop_batch_limit),
-                      threads=settings.loop_threads or (2 if postgres else 1),
-                      sweep_interval_s=settings.loop_sweep_interval_s, gather_s=settings.loop_gather_s,
-                      on_commands=channel.notify)
+    loop: LoopWorker | LoopProcess = (LoopProcess(settings, store, on_commands=channel.notify) if settings.loop_process
+                                      else loop_worker(settings, store, channel.notify))
 
     def judge_soon(batch: Batch, result: IngestResult) -> None:
         if result.run_pk is not None and not result.duplicate:

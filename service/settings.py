@@ -85,6 +85,18 @@ class Settings(BaseSettings):
     """Threads judging runs (one run per thread at a time; runs in parallel): default 1 on SQLite
     (a pass holds the database's one write lock from its start, so a second thread only waits)
     and 2 on PostgreSQL."""
+    loop_process: bool = False
+    """Run the closed loop in a process of its own, started, supervised (restarted if it dies) and
+    drained by this one (``service/loop/process.py``; ``fp8guard serve --loop-process`` or
+    ``FP8GUARD_LOOP_PROCESS=1``). Off by default. In the serving process, the loop's passes took about
+    a fifth of its GIL time under one unthrottled agent (py-spy), time the ingest path waited for;
+    in a process of its own they cost the serving process one frame per batch, and its CPU per
+    batch fell from 6.8-11 ms to 5.3-7.5 ms (``docs/benchmarks.md``, fifth session, a shared
+    2-core host). On that host, with the load generator on the same cores, throughput and p99 were
+    the same either way within its noise, and the loop process costs more CPU in all (its own
+    wake-ups per batch, ~2 s to start), and under 50 agents on PostgreSQL a decision took up to
+    119-123 ms to reach the agent against 17-69 ms in threads (the issue's target: 50 ms): the
+    gain needs a core the serving process does not use, so it is for hosts that have one."""
     loop_batch_limit: int = Field(default=256, ge=1)
     """Most queued batches one closed-loop pass judges before the run's turn passes on."""
     loop_gather_s: float = Field(default=0.02, ge=0, le=1)

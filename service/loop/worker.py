@@ -38,12 +38,12 @@ from fp8guard.service.errors import StorageUnavailable
 from fp8guard.service.loop.judge import Judge, PassResult
 from fp8guard.service.store import Store
 
-__all__ = ["LoopStats", "LoopWorker"]
+__all__ = ["LoopStats", "LoopWorker", "nonfinite"]
 
 log = logging.getLogger(__name__)
 
 
-def _nonfinite(batch: Batch) -> bool:
+def nonfinite(batch: Batch) -> bool:
     """Whether the batch carries a non-finite loss, grad norm or amax: what the critical rules act
     on at once (and what makes the agent's tripwire ship at once and long-poll for the answer)."""
     for row in batch.steps:
@@ -59,7 +59,10 @@ def _nonfinite(batch: Batch) -> bool:
 class LoopStats:
     """Counters for ``/metrics``."""
 
-    __slots__ = ("batches", "commands", "dropped", "failures", "passes", "seconds")
+    __slots__ = ("batches", "commands", "dropped", "failures", "passes", "restarts", "seconds", "up")
+
+    COUNTERS = ("passes", "batches", "commands", "failures", "dropped", "seconds")
+    """What the loop counts (a loop process reports these to the serving process)."""
 
     def __init__(self) -> None:
         self.passes = 0
@@ -68,6 +71,10 @@ class LoopStats:
         self.failures = 0
         self.dropped = 0
         self.seconds = 0.0
+        self.restarts = 0
+        """Times the loop's process died and was started again (``service/loop/process.py``)."""
+        self.up = 1
+        """Whether the loop is running (0 while its process is being restarted)."""
 
 
 class LoopWorker:
@@ -105,10 +112,12 @@ class LoopWorker:
 
     # -- feeding -------------------------------------------------------------------------------
 
-    def submit(self, run_pk: int, queue_id: int | None, batch: Batch | None) -> None:
+    def submit(self, run_pk: int, queue_id: int | None, batch: Batch | None, *, urgent: bool | None = None) -> None:
         """A batch of ``run_pk`` is durable (its queue row committed): judge it soon; first, before
-        runs with healthy batches, if it carries a non-finite loss, grad norm or amax."""
-        urgent = batch is not None and _nonfinite(batch)
+        runs with healthy batches, if it carries a non-finite loss, grad norm or amax (``urgent``:
+        already known, for a batch that is not handed over, as from the loop's own process)."""
+        if urgent is None:
+            urgent = batch is not None and nonfinite(batch)
         now = time.monotonic()
         with self._cv:
             if queue_id is not None and batch is not None:
@@ -300,11 +309,15 @@ class LoopWorker:
                 self._cv.wait_for(lambda: self._stop, timeout=self.sweep_interval_s)
                 if self._stop:
                     return
-            try:
-                runs = self.store.queued_runs()
-            except Exception:
-                log.warning("fp8guard loop: the sweep could not read the queue", exc_info=True)
-                continue
-            with self._cv:
-                for run_pk in runs:
-                    self._mark(run_pk)
+            self.sweep_once()
+
+    def sweep_once(self) -> None:
+        """Mark every run with queued batches dirty (those of other processes, or of a crash)."""
+        try:
+            runs = self.store.queued_runs()
+        except Exception:
+            log.warning("fp8guard loop: the sweep could not read the queue", exc_info=True)
+            return
+        with self._cv:
+            for run_pk in runs:
+                self._mark(run_pk)

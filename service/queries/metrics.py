@@ -84,6 +84,8 @@ class _LoopStats(Protocol):
     failures: int
     dropped: int
     seconds: float
+    restarts: int
+    up: int
 
 
 class LoopCollector(Collector):
@@ -106,6 +108,10 @@ class LoopCollector(Collector):
         yield CounterMetricFamily("fp8guard_loop_dropped", "Batches the closed loop could not judge (a bug: logged).",
                                   value=s.dropped)
         yield CounterMetricFamily("fp8guard_loop_seconds", "Time spent in closed-loop passes.", value=s.seconds)
+        yield CounterMetricFamily("fp8guard_loop_restarts", "Times the closed loop's process died and was started "
+                                  "again.", value=s.restarts)
+        yield GaugeMetricFamily("fp8guard_loop_up", "Whether the closed loop is running (0 while its process "
+                                "restarts).", value=s.up)
         if self._committer is not None:
             yield CounterMetricFamily("fp8guard_ingest_commits", "Ingest transactions (group commits).",
                                       value=self._committer.groups)

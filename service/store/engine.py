@@ -18,6 +18,7 @@ from fp8guard.service.errors import SchemaNotAtHead
 
 __all__ = [
     "PING_AFTER_IDLE_S",
+    "SQLITE_BUSY_TIMEOUT_MS",
     "alembic_config",
     "current_revision",
     "downgrade",
@@ -32,8 +33,11 @@ log = logging.getLogger(__name__)
 
 # Pages of 16 KiB hold several 4 KiB stat rows each (1,000 tensors x float32) without
 # overflow chains; only effective on a new database file, before WAL is enabled.
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+"""How long a SQLite statement waits for another connection's (or process's) write lock."""
+
 _SQLITE_PRAGMAS = (
-    "busy_timeout=10000",  # first: switching to WAL may itself return BUSY
+    f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}",  # first: switching to WAL may itself return BUSY
     "page_size=16384",
     "journal_mode=WAL",
     "synchronous=NORMAL",

@@ -104,3 +104,50 @@ def test_an_inline_batch_never_waits_for_the_write_lock_a_loop_pass_holds(store:
     assert result.samples == 60 and committer.inline == 0 and committer.groups == 1
     assert waited >= 0.25  # answered only after the writer could store it
     assert store.run("cm-4").ranks[0].batches == 1
+
+
+def test_an_inline_batch_never_waits_for_another_processs_write_lock(store: Store) -> None:
+    """On SQLite, while another connection (the loop's process) holds the database's write lock,
+    the inline attempt gives up at once, without SQLite's busy timeout stalling the event loop, and
+    the batch goes to the writer thread, answered once that thread stored it."""
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("the database-wide write lock is SQLite's")
+    import sqlite3
+
+    store.register_run(RunSpec(run_id="cm-5"))
+    committer = Committer(store, inline_max_samples=10_000)
+    committer.start()
+    other = sqlite3.connect(store.engine.url.database or "", isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # another process's write transaction
+    released = threading.Timer(0.5, other.execute, ("COMMIT",))
+    gaps: list[float] = []
+
+    async def go() -> IngestResult:
+        async def tick() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        try:
+            return await committer.submit(_batch("cm-5", 0))
+        finally:
+            ticker.cancel()
+
+    released.start()
+    try:
+        t0 = time.monotonic()
+        result = asyncio.run(go())
+        waited = time.monotonic() - t0
+    finally:
+        released.join()
+        committer.close()
+        other.close()
+    assert result.samples == 60 and committer.inline == 0 and committer.groups == 1
+    assert waited >= 0.4  # answered only after the writer could store it
+    assert max(gaps) < 0.2  # the event loop kept running meanwhile (it was blocked ~0.5 s)
+    assert store.run("cm-5").ranks[0].batches == 1
