@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,9 +163,29 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)  # agent threads (--client agent)
 
     def error(self, text: str) -> None:
-        self.errors += 1
-        if len(self.examples) < 3:
-            self.examples.append(text[:200])
+        with self.lock:
+            self.errors += 1
+            if len(self.examples) < 3:
+                self.examples.append(text[:200])
+
+    def answered(self, run_id: str, t0: float, r: httpx.Response, first: bool) -> dict[str, Any] | None:
+        """Record one answer (sent at ``t0``, ``perf_counter``): its latency and what it
+        acknowledged; None (an error counted) for a non-2xx answer."""
+        latency = time.perf_counter() - t0
+        if not r.is_success:
+            self.error(f"{r.status_code} {r.text}")
+            return None
+        answer: dict[str, Any] = r.json()
+        with self.lock:
+            self.latencies.append(latency)
+            self.sent_at.append(t0)
+            if first:
+                self.first.append(len(self.latencies) - 1)
+            acked = self.acked.setdefault(run_id, [0, 0])
+            if not answer.get("duplicate"):
+                acked[0] += 1
+                acked[1] += int(answer.get("samples", 0))
+        return answer
 
 
 async def _send(client: httpx.AsyncClient, tally: Tally, run_id: str, body: bytes,
@@ -175,50 +196,67 @@ async def _send(client: httpx.AsyncClient, tally: Tally, run_id: str, body: byte
     except httpx.HTTPError as exc:
         tally.error(f"{type(exc).__name__}: {exc}")
         return None
-    latency = time.perf_counter() - t0
-    if not r.is_success:
-        tally.error(f"{r.status_code} {r.text}")
-        return None
-    answer: dict[str, Any] = r.json()
-    tally.latencies.append(latency)
-    tally.sent_at.append(t0)
-    if first:
-        tally.first.append(len(tally.latencies) - 1)
-    acked = tally.acked.setdefault(run_id, [0, 0])
-    if not answer.get("duplicate"):
-        acked[0] += 1
-        acked[1] += int(answer.get("samples", 0))
-    return answer
+    return tally.answered(run_id, t0, r, first)
 
 
-async def _agent(client: httpx.AsyncClient, batches: Batches, tally: Tally, run_id: str, rate: float,
-                 t_start: float, t_end: float, prepared: Prepared | None = None) -> tuple[int, int]:
-    """Returns (batches due in the window, batches sent)."""
-    offset = random.uniform(0.0, 1.0 / rate) if rate > 0 else 0.0
-    limit = math.ceil((t_end - t_start) * rate) + 1 if rate > 0 else 10_000_000
-    due = sent = step = 0
-    have_table = False
-    for k in range(limit):
-        if rate > 0:
-            at = t_start + offset + k / rate
-            if at >= t_end:
-                break
-            due += 1
-            if (delay := at - time.monotonic()) > 0:
-                await asyncio.sleep(delay)
-        elif time.monotonic() >= t_end:
-            break
-        if prepared is not None and k < len(prepared.parts) and (k == 0) != have_table:
+class _Plan:
+    """One agent's sending plan, shared by both clients: when each batch is due, its body, and
+    whether the run's tensor table went out yet (the first batch that succeeds carries it)."""
+
+    def __init__(self, batches: Batches, run_id: str, rate: float, t_start: float, t_end: float,
+                 prepared: Prepared | None) -> None:
+        self.batches, self.run_id, self.rate, self.prepared = batches, run_id, rate, prepared
+        self.t_start, self.t_end = t_start, t_end
+        self.offset = random.uniform(0.0, 1.0 / rate) if rate > 0 else 0.0
+        self.due = self.sent = self.step = 0
+        self.have_table = False
+
+    def __iter__(self) -> Iterator[tuple[int, float | None]]:
+        """(batch number, its absolute due time or None: back to back) until the window ends."""
+        limit = math.ceil((self.t_end - self.t_start) * self.rate) + 1 if self.rate > 0 else 10_000_000
+        for k in range(limit):
+            if self.rate > 0:
+                at = self.t_start + self.offset + k / self.rate
+                if at >= self.t_end:
+                    return
+                self.due += 1
+                yield k, at
+            elif time.monotonic() >= self.t_end:
+                return
+            else:
+                yield k, None
+
+    def body(self, k: int) -> bytes:
+        prepared = self.prepared
+        if prepared is not None and k < len(prepared.parts) and (k == 0) != self.have_table:
             head, packed, tail = prepared.parts[k]
             body = head + packed + tail  # a copy of ~20 KB: microseconds
         else:
             if prepared is not None:
                 prepared.built_in_window += 1
-            body = batches.body(run_id, step, k, with_tensors=not have_table)
-        step += batches.steps
-        sent += 1
-        have_table = await _send(client, tally, run_id, body, first=not have_table) is not None or have_table
-    return (due if rate > 0 else sent), sent
+            body = self.batches.body(self.run_id, self.step, k, with_tensors=not self.have_table)
+        self.step += self.batches.steps
+        self.sent += 1
+        return body
+
+    def answered(self, ok: bool) -> None:
+        self.have_table = ok or self.have_table
+
+    def counts(self) -> tuple[int, int]:
+        """(batches due in the window, batches sent)."""
+        return (self.due if self.rate > 0 else self.sent), self.sent
+
+
+async def _agent(client: httpx.AsyncClient, batches: Batches, tally: Tally, run_id: str, rate: float,
+                 t_start: float, t_end: float, prepared: Prepared | None = None) -> tuple[int, int]:
+    """Returns (batches due in the window, batches sent)."""
+    plan = _Plan(batches, run_id, rate, t_start, t_end, prepared)
+    for k, at in plan:
+        if at is not None and (delay := at - time.monotonic()) > 0:
+            await asyncio.sleep(delay)
+        first = not plan.have_table
+        plan.answered(await _send(client, tally, run_id, plan.body(k), first=first) is not None)
+    return plan.counts()
 
 
 def _send_sync(client: httpx.Client, tally: Tally, run_id: str, body: bytes, first: bool = False) -> bool:
@@ -227,55 +265,21 @@ def _send_sync(client: httpx.Client, tally: Tally, run_id: str, body: bytes, fir
     try:
         r = client.post("/v1/ingest", content=body, headers=HEADERS)
     except httpx.HTTPError as exc:
-        with tally.lock:
-            tally.error(f"{type(exc).__name__}: {exc}")
+        tally.error(f"{type(exc).__name__}: {exc}")
         return False
-    latency = time.perf_counter() - t0
-    if not r.is_success:
-        with tally.lock:
-            tally.error(f"{r.status_code} {r.text}")
-        return False
-    answer: dict[str, Any] = r.json()
-    with tally.lock:
-        tally.latencies.append(latency)
-        tally.sent_at.append(t0)
-        if first:
-            tally.first.append(len(tally.latencies) - 1)
-        acked = tally.acked.setdefault(run_id, [0, 0])
-        if not answer.get("duplicate"):
-            acked[0] += 1
-            acked[1] += int(answer.get("samples", 0))
-    return True
+    return tally.answered(run_id, t0, r, first) is not None
 
 
 def _agent_thread(client: httpx.Client, batches: Batches, tally: Tally, run_id: str, rate: float,
                   t_start: float, t_end: float, prepared: Prepared | None = None) -> tuple[int, int]:
     """``_agent`` in a thread of its own with a blocking client (``--client agent``)."""
-    offset = random.uniform(0.0, 1.0 / rate) if rate > 0 else 0.0
-    limit = math.ceil((t_end - t_start) * rate) + 1 if rate > 0 else 10_000_000
-    due = sent = step = 0
-    have_table = False
-    for k in range(limit):
-        if rate > 0:
-            at = t_start + offset + k / rate
-            if at >= t_end:
-                break
-            due += 1
-            if (delay := at - time.monotonic()) > 0:
-                time.sleep(delay)
-        elif time.monotonic() >= t_end:
-            break
-        if prepared is not None and k < len(prepared.parts) and (k == 0) != have_table:
-            head, packed, tail = prepared.parts[k]
-            body = head + packed + tail
-        else:
-            if prepared is not None:
-                prepared.built_in_window += 1
-            body = batches.body(run_id, step, k, with_tensors=not have_table)
-        step += batches.steps
-        sent += 1
-        have_table = _send_sync(client, tally, run_id, body, first=not have_table) or have_table
-    return (due if rate > 0 else sent), sent
+    plan = _Plan(batches, run_id, rate, t_start, t_end, prepared)
+    for k, at in plan:
+        if at is not None and (delay := at - time.monotonic()) > 0:
+            time.sleep(delay)
+        first = not plan.have_table
+        plan.answered(_send_sync(client, tally, run_id, plan.body(k), first=first))
+    return plan.counts()
 
 
 async def _commands(client: httpx.AsyncClient, run_id: str, wait: bool) -> tuple[list[Any], float]:
