@@ -25,6 +25,9 @@ from fp8guard.service.store.models import SqlLoopQueue
 from tests.helpers import batch
 from tests.service.test_loop_pipeline import _inf_batch, _wait_for
 
+_LOOP_PROCESS = {"FP8GUARD_LOOP_PROCESS": "1"}
+"""``fp8guard serve --loop-process``: off by default (threads), on for these tests."""
+
 pytestmark = pytest.mark.slow
 
 
@@ -102,7 +105,7 @@ def test_a_decision_of_the_loop_process_wakes_the_long_poll_at_once(migrated_url
     """The loop process sends the commands it issued back to the serving process, which wakes the
     long-poll: with the database re-read every 30 s, only that message can answer it in time."""
     env = {"FP8GUARD_COMMAND_POLL_INTERVAL_S": "30"}
-    with serve_process(migrated_url, env=env) as served, httpx.Client(base_url=served.base, timeout=60) as c:
+    with serve_process(migrated_url, env={**_LOOP_PROCESS, **env}) as served, httpx.Client(base_url=served.base, timeout=60) as c:
         assert c.put("/v1/runs/lp", json={}).status_code == 201
         _post(c, batch("lp", list(range(10)), n_tensors=12))
         commands, seconds = _long_poll_fallback(c, "lp", 10)
@@ -116,7 +119,7 @@ def test_every_acknowledged_batch_is_judged_exactly_once(migrated_url: str) -> N
     """Runs shipping back to back (gathered) and at a slower pace: once the queue is empty, the
     loop judged as many batches as were acknowledged, and each rank's detector is at its last step."""
     runs, per_run = [f"once-{i}" for i in range(4)], 15
-    with serve_process(migrated_url) as served, httpx.Client(base_url=served.base, timeout=60) as c:
+    with serve_process(migrated_url, env=_LOOP_PROCESS) as served, httpx.Client(base_url=served.base, timeout=60) as c:
         for run in runs:
             assert c.put(f"/v1/runs/{run}", json={}).status_code == 201
 
@@ -147,7 +150,7 @@ def test_every_acknowledged_batch_is_judged_exactly_once(migrated_url: str) -> N
 
 def test_a_killed_loop_process_is_restarted_and_judges_what_it_missed(migrated_url: str) -> None:
     env = {"FP8GUARD_COMMAND_POLL_INTERVAL_S": "30"}
-    with serve_process(migrated_url, env=env) as served, httpx.Client(base_url=served.base, timeout=60) as c:
+    with serve_process(migrated_url, env={**_LOOP_PROCESS, **env}) as served, httpx.Client(base_url=served.base, timeout=60) as c:
         assert c.put("/v1/runs/kill", json={}).status_code == 201
         _post(c, batch("kill", list(range(10)), n_tensors=12))
         first = _loop_child(served)
@@ -167,7 +170,7 @@ def test_a_killed_loop_process_is_restarted_and_judges_what_it_missed(migrated_u
 def test_a_shutdown_judges_what_was_acknowledged(migrated_url: str) -> None:
     """Batches gathered for a second (``loop_gather_s=1``) when the service is told to stop are
     judged before it exits: nothing is left in the queue."""
-    with serve_process(migrated_url, env={"FP8GUARD_LOOP_GATHER_S": "1"}) as served, \
+    with serve_process(migrated_url, env={**_LOOP_PROCESS, "FP8GUARD_LOOP_GATHER_S": "1"}) as served, \
             httpx.Client(base_url=served.base, timeout=60) as c:
         assert c.put("/v1/runs/drain", json={}).status_code == 201
         for k in range(6):
