@@ -170,9 +170,14 @@ class LoopProcess:
 
     def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
-        proc = self._ctx.Process(target=run_loop, args=(self.settings, theirs, self._turn), name="fp8guard-loop",
-                                 daemon=True)
-        proc.start()
+        try:
+            proc = self._ctx.Process(target=run_loop, args=(self.settings, theirs, self._turn),
+                                     name="fp8guard-loop", daemon=True)
+            proc.start()
+        except BaseException:
+            ours.close()
+            theirs.close()
+            raise
         theirs.close()  # only the child holds it now: its exit closes the socket
         ours.setblocking(False)
         with self._send_lock:
@@ -251,12 +256,21 @@ class LoopProcess:
                       "(restart %d); batches it had not judged wait in loop_queue", proc.exitcode, wait,
                       self.stats.restarts)
             time.sleep(wait)
-            if self._closing:
+            while not self._closing:
+                try:
+                    self._spawn()
+                    break
+                except Exception:  # e.g. out of file descriptors: keep trying, never leave the loop down
+                    failures += 1
+                    wait = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S)) - 1]
+                    log.exception("fp8guard loop: starting the loop process failed; retrying in %g s", wait)
+                    time.sleep(wait)
+            if self._closing:  # close() came meanwhile: end what was just started (it ends at its socket's end)
+                with self._send_lock:
+                    sock, self._sock = self._sock, None
+                if sock is not None:
+                    sock.close()
                 return
-            try:
-                self._spawn()
-            except Exception:
-                log.exception("fp8guard loop: starting the loop process failed; retrying")
 
     def _serve(self, sock: socket.socket) -> None:
         """Exchange frames with one loop process until its socket closes."""
