@@ -25,6 +25,19 @@ from fp8guard.agent.kernels.staging import Staging
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
+# Calibration (H200, bf16 gradients of two 605M-parameter TE stacks, 1.2 GB; ``python
+# bench/gpu_table_norm.py``, docs/gpu-results/gpu_table_norm.2026-12-03.json): these defaults read
+# 3.0 TB/s, 81 % of torch's vector_norm over one contiguous buffer of the same bytes (3.7 TB/s,
+# the ceiling for one pass); the fastest of 81 configurations (block 2048, 4 loads per entry, 16
+# warps, 2 programs per SM) 3.2 TB/s, 5 % more, with ten times the float32 rounding (fewer,
+# longer partial sums: 8.9e-7 against 9.1e-8 from a float64 norm). Kept: the rounding matters more.
+SUB_BLOCKS = 1
+"""Blocks of ``BLOCK`` elements per entry of the block table (one chain of table reads each)."""
+WARPS = 8
+"""Warps per program."""
+PROGRAMS_PER_SM = 8
+"""Programs per multiprocessor (each loops over an equal run of entries)."""
+
 
 @functools.cache
 def _kernel() -> Any:
@@ -36,9 +49,11 @@ def _kernel() -> Any:
 
     @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
     def table_sumsq_kernel(ptrs_ptr, blk_tensor_ptr, blk_start_ptr, numel_ptr, out_ptr, n_blocks,  # type: ignore[no-untyped-def]
-                           DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        # Many tensors in one launch: program pid reads blocks pid*ITERS .. pid*ITERS+ITERS-1 of the
-        # block table (tensor index, start), the tensor's address from the pointer table.
+                           DTYPE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ITERS: tl.constexpr):
+        # Many tensors in one launch: program pid reads entries pid*ITERS .. pid*ITERS+ITERS-1 of
+        # the block table (tensor index, start), the tensor's address from the pointer table. An
+        # entry covers SUB consecutive blocks of BLOCK elements: the table reads (a chain of
+        # dependent loads) are paid once per entry, the SUB data loads are independent.
         pid = tl.program_id(0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for i in range(ITERS):
@@ -48,9 +63,10 @@ def _kernel() -> Any:
             start = tl.load(blk_start_ptr + b, mask=valid, other=0)
             n = tl.load(numel_ptr + t)
             base = tl.load(ptrs_ptr + t).to(tl.pointer_type(DTYPE))
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(base + offs, mask=(offs < n) & valid, other=0.0).to(tl.float32)
-            acc += x * x
+            for j in tl.static_range(SUB):
+                offs = start + j * BLOCK + tl.arange(0, BLOCK)
+                x = tl.load(base + offs, mask=(offs < n) & valid, other=0.0).to(tl.float32)
+                acc += x * x
         tl.store(out_ptr + pid, tl.sum(acc, axis=0))  # one partial per program: deterministic
 
     return table_sumsq_kernel
@@ -68,23 +84,27 @@ class TableSumOfSquares:
     """
 
     def __init__(self, numels: Sequence[int], dtype: torch.dtype, device: torch.device, *,
-                 block: int = BLOCK) -> None:
+                 block: int = BLOCK, sub: int = SUB_BLOCKS, warps: int = WARPS, per_sm: int = PROGRAMS_PER_SM) -> None:
+        """``block`` elements per load, ``sub`` loads per block-table entry, ``warps`` per program,
+        ``per_sm`` programs per multiprocessor: the defaults are calibrated (module constants)."""
         if _kernel() is None:
             raise RuntimeError("TableSumOfSquares needs Triton")
         if dtype not in _TL_DTYPE:
             raise ValueError(f"TableSumOfSquares: unsupported dtype {dtype}")
-        self.dtype, self.device, self.block = dtype, device, block
+        if block < 1 or sub < 1 or warps < 1 or per_sm < 1:
+            raise ValueError("TableSumOfSquares: block, sub, warps and per_sm must be positive")
+        self.dtype, self.device, self.block, self.sub, self.warps = dtype, device, block, sub, warps
         tensor_of: list[int] = []
         start_of: list[int] = []
         for i, n in enumerate(numels):
-            for start in range(0, int(n), block):
+            for start in range(0, int(n), block * sub):
                 tensor_of.append(i)
                 start_of.append(start)
         self.n_blocks = len(tensor_of)
         self.count = len(numels)
-        # As many programs as fill the GPU eight deep, each over an equal run of blocks (the
+        # As many programs as fill the GPU per_sm deep, each over an equal run of entries (the
         # run length is exact, not a power of two: one compiled variant per model and dtype).
-        self._iters = max(1, -(-self.n_blocks // max_programs(device_index(device), 8)))
+        self._iters = max(1, -(-self.n_blocks // max_programs(device_index(device), per_sm)))
         self._grid = max(1, -(-self.n_blocks // self._iters))
         self._blk_tensor = torch.tensor(tensor_of, dtype=torch.int32, device=device)
         self._blk_start = torch.tensor(start_of, dtype=torch.int64, device=device)
@@ -114,13 +134,14 @@ class TableSumOfSquares:
             return None
         import triton.language as tl
 
-        consts = (getattr(tl, _TL_DTYPE[self.dtype]), self.block, self._iters)
+        consts = (getattr(tl, _TL_DTYPE[self.dtype]), self.block, self.sub, self._iters)
 
         def jit() -> Any:
-            return _kernel()[(self._grid,)](*self._args, DTYPE=consts[0], BLOCK=self.block, ITERS=self._iters,
-                                            num_warps=8)
+            return _kernel()[(self._grid,)](*self._args, DTYPE=consts[0], BLOCK=self.block, SUB=self.sub,
+                                            ITERS=self._iters, num_warps=self.warps)
 
         # Every argument is this object's own buffer, at a fixed address: one key for good.
-        self._key = self._key or (self.dtype, self.block, self._iters, *specialization_key(self._args))
+        self._key = self._key or (self.dtype, self.block, self.sub, self._iters, self.warps,
+                                  *specialization_key(self._args))
         self._launch(self._grid, self._args, consts, jit, key=self._key)
         return self._partials.sum()

@@ -160,6 +160,46 @@ def test_table_grad_norm_under_the_interpreter() -> None:
     assert len({s["ref"] for s in steps}) == 7
 
 
+_CONFIGS = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent.kernels import TableSumOfSquares
+    g = torch.Generator().manual_seed(9)
+    # sizes around the entry's span (block x sub): shorter, equal, one over, several entries, empty
+    numels = [1, 63, 64, 65, 128, 129, 300, 0, 1000]
+    tensors = [torch.randn(n, generator=g).to(torch.bfloat16) for n in numels]
+    ref = sum(float(t.double().square().sum()) for t in tensors)
+    out = []
+    for block, sub, warps, per_sm in [(64, 1, 4, 8), (64, 2, 4, 1), (32, 3, 2, 2), (16, 8, 4, 4), (128, 4, 8, 1)]:
+        table = TableSumOfSquares(numels, torch.bfloat16, torch.device("cpu"), block=block, sub=sub, warps=warps,
+                                  per_sm=per_sm)
+        table.point([t.data_ptr() for t in tensors])
+        out.append({"config": [block, sub, warps, per_sm], "sum": float(table()), "ref": ref,
+                    "entries": table.n_blocks})
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_table_sum_of_squares_over_launch_configurations() -> None:
+    """Entries of several blocks (``sub``), any warps and programs per SM: the same sum, tensors
+    ending inside an entry's span included."""
+    rows = run_interpreted(_CONFIGS, timeout=600)
+    for row in rows:
+        assert row["sum"] == pytest.approx(row["ref"], rel=1e-6), row
+    assert [r["entries"] for r in rows] == [
+        sum(-(-n // (b * s)) for n in [1, 63, 64, 65, 128, 129, 300, 0, 1000])
+        for b, s, _, _ in [r["config"] for r in rows]]
+
+
+def test_table_sum_of_squares_refuses_a_bad_configuration() -> None:
+    from fp8guard.agent.kernels import TableSumOfSquares, triton_available
+
+    if not triton_available(torch.device("cuda")) and kernels.table_norm._kernel() is None:
+        pytest.skip("needs Triton")
+    with pytest.raises(ValueError, match="positive"):
+        TableSumOfSquares([4], torch.bfloat16, torch.device("cpu"), sub=0)
+
+
 # -- every way the two variants could differ, pinned against TE's formulas on the cast's bytes --
 
 
