@@ -31,14 +31,21 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Pages of 16 KiB hold several 4 KiB stat rows each (1,000 tensors x float32) without
-# overflow chains; only effective on a new database file, before WAL is enabled.
+# SQLite's default page of 4 KiB (only effective on a new database file, before WAL is enabled).
+# Calibration (docs/benchmarks.md, "sixth session"): a batch of 200 tensors x 4 stats x 10 steps
+# modifies ~28 pages (raw rows, roll-up rows at each level, steps, queue), and WAL writes whole
+# pages, so with the 16 KiB pages used before a batch wrote ~450 KB to the WAL for 32 KB of data
+# and the write transaction that crossed the auto-checkpoint (1,000 pages) copied 16 MB inside a
+# request every ~42 batches: 20-25 ms stalls, 11-25 % of one agent's time. With 4 KiB pages the
+# checkpoints copy 4 MB; one agent went from 154-193 to >= 208 batches/s. Large batches (1,000
+# tensors x 100 steps: rows of 4 KB, a page each, roll-ups in overflow pages) and the heatmap
+# query measured the same with either size.
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 """How long a SQLite statement waits for another connection's (or process's) write lock."""
 
 _SQLITE_PRAGMAS = (
     f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}",  # first: switching to WAL may itself return BUSY
-    "page_size=16384",
+    "page_size=4096",
     "journal_mode=WAL",
     "synchronous=NORMAL",
     "foreign_keys=ON",
