@@ -32,14 +32,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # SQLite's default page of 4 KiB (only effective on a new database file, before WAL is enabled).
-# Calibration (docs/benchmarks.md, "sixth session"): a batch of 200 tensors x 4 stats x 10 steps
-# modifies ~28 pages (raw rows, roll-up rows at each level, steps, queue), and WAL writes whole
-# pages, so with the 16 KiB pages used before a batch wrote ~450 KB to the WAL for 32 KB of data
-# and the write transaction that crossed the auto-checkpoint (1,000 pages) copied 16 MB inside a
-# request every ~42 batches: 20-25 ms stalls, 11-25 % of one agent's time. With 4 KiB pages the
-# checkpoints copy 4 MB; one agent went from 154-193 to >= 208 batches/s. Large batches (1,000
-# tensors x 100 steps: rows of 4 KB, a page each, roll-ups in overflow pages) and the heatmap
-# query measured the same with either size.
+# Calibration (docs/benchmarks.md, "sixth session"): a small batch (200 tensors x 4 stats x 10
+# steps) touches a few dozen pages (raw rows per stat, roll-up rows per stat and level, steps,
+# queue) and WAL writes whole pages, so with the 16 KiB pages used before, a 32 KB batch wrote
+# several hundred KB to the WAL, and the request whose commit crossed the auto-checkpoint (1,000
+# pages: 16 MB) copied it into the database file: periodic stalls of 20-25 ms. With 4 KiB pages
+# one agent sent 177-200 batches/s against 138-160 (p99 16 against 22-28 ms), side by side;
+# large batches (rows of 4 KB, a page each; roll-ups in overflow pages) and the heatmap query
+# measured the same with either size.
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 """How long a SQLite statement waits for another connection's (or process's) write lock."""
 
