@@ -74,21 +74,24 @@ def _time(fn: Any, launches: int, repeats: int, cuda: bool) -> float:
     return statistics.median(samples)
 
 
+def _one_buffer(grads: list[torch.Tensor], args: argparse.Namespace, cuda: bool) -> tuple[float, float]:
+    """torch's vector_norm over the same bytes in one contiguous buffer: (ms per call, value)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    ms = _time(lambda: torch.linalg.vector_norm(flat, dtype=torch.float32), args.launches, args.repeats, cuda)
+    return ms, torch.linalg.vector_norm(flat, dtype=torch.float32).item()
+
+
 def measure(grads: list[torch.Tensor], args: argparse.Namespace, grid: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     cuda = grads[0].device.type == "cuda"
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     exact = torch.sqrt(sum(g.double().square().sum() for g in grads)).item()
-    flat = torch.cat([g.reshape(-1) for g in grads])
     rows: list[dict[str, Any]] = []
 
     def row(name: str, ms: float, value: float, **cfg: Any) -> None:
         rows.append({"name": name, **cfg, "ms": round(ms, 4), "GBps": round(nbytes / ms / 1e6),
                      "rel_diff_vs_float64": abs(value - exact) / exact})
 
-    row("vector_norm over one buffer (ceiling)",
-        _time(lambda: torch.linalg.vector_norm(flat, dtype=torch.float32), args.launches, args.repeats, cuda),
-        torch.linalg.vector_norm(flat, dtype=torch.float32).item())
-    del flat
+    row("vector_norm over one buffer (ceiling)", *_one_buffer(grads, args, cuda))
     row("torch._foreach_norm", _time(lambda: torch._foreach_norm(grads, 2, dtype=torch.float32), args.launches,
                                      args.repeats, cuda),
         torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).item())
