@@ -111,6 +111,44 @@ def test_triton_kernels_under_the_interpreter() -> None:
         assert row[0][0] > 0 and row[0][1] > 0  # both counts exercised
 
 
+_SPARSE = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent import kernels
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    # Tiles of 64 x 64: most hold only mid-range bytes (the FP8-bytes variant skips them), a few
+    # hold one element that overflows or underflows, at a tile's first and last element, in the
+    # tail, and next to a skipped tile.
+    out = []
+    for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            n = 7 * 4096 + 77
+            x = torch.full((n,), 0.75, dtype=dtype)
+            # thresholds fp8_max / scale: 4 (E4M3), 57344 (E5M2); 1e-6 casts to a zero byte in both
+            scale = torch.tensor([fmt.fp8_max / 4.0 if fmt is Fp8Format.E4M3 else 1.0])
+            for at in (4096, 3 * 4096 - 1, 5 * 4096 + 64, n - 1):
+                x[at] = 100.0 if fmt is Fp8Format.E4M3 else 60000.0
+            for at in (2 * 4096 + 5, 6 * 4096, n - 2):
+                x[at] = 1e-6
+            q = quantize(x, scale[0], fmt)
+            row = []
+            for backend in ("triton", "torch"):
+                got = torch.zeros(2, dtype=torch.int64)
+                kernels.count_cast_into(got, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt,
+                                        fp8_bytes=q, backend=backend)
+                row.append(got.tolist())
+            out.append(row)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_bytes_variant_skips_tiles_with_nothing_to_count() -> None:
+    """The FP8-bytes variant skips a tile whose bytes are all mid-range; tiles with one count
+    beside skipped ones, at tile edges and in the tail, count exactly as the torch path."""
+    for triton_counts, torch_counts in run_interpreted(_SPARSE, timeout=600):
+        assert triton_counts == torch_counts == [4, 3]
+
+
 _TABLE = textwrap.dedent("""
     import json, torch
     from fp8guard.agent.telemetry import GradNorm, norm_of_grads
