@@ -55,16 +55,18 @@ class CommandDesk:
         """The highest command id applied so far (0 before any): the listener asks for newer ones."""
         return max(self.applied_ids, default=0)
 
-    def take(self, *, rank: int, world_size: int) -> list[Command]:
-        """Empty the inbox; under torch.distributed every rank gets rank 0's commands."""
+    def take(self, *, rank: int, world_size: int, src: int = 0) -> list[Command]:
+        """Empty the inbox; under torch.distributed every rank gets rank ``src``'s commands (the
+        Monitor's ``command_rank``: a reporting rank; what other ranks received is dropped here,
+        the same commands reach ``src``)."""
         commands: list[Command] = []
         while self.inbox:
             commands.append(self.inbox.popleft())
         if dist.is_available() and dist.is_initialized() and world_size > 1:
-            # sync point (intended, every command_check_interval_steps): rank 0 tells every rank
+            # sync point (intended, every command_check_interval_steps): rank src tells every rank
             # what to apply, so all of them act at this same step.
-            box: list[Any] = [commands if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
+            box: list[Any] = [commands if rank == src else None]
+            dist.broadcast_object_list(box, src=src)
             commands = list(box[0] or [])
         return commands
 

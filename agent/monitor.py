@@ -100,6 +100,9 @@ class Monitor:
         self.run_id = ""
         self.segment = self.config.segment
         self.reporting = False
+        self.command_rank = 0
+        """Under torch.distributed, the rank whose received commands every rank applies (the
+        lowest reporting rank: only reporting ranks hear the service), broadcast from it."""
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -134,6 +137,7 @@ class Monitor:
         self._sources = discover_sources(model, cfg.sources)
         self._steps = SourceSteps(self._sources)
         self.reporting = self._decide_reporting()
+        self.command_rank = self._command_rank()
         self._specs = [spec for src in self._sources for spec in src.tensors()]
         start = 0
         for src in self._sources:
@@ -197,6 +201,16 @@ class Monitor:
             replicated = any(src.kind == "te" for src in self._sources)
             return self.rank == 0 or not replicated
         return self.rank in set(choice)
+
+    def _command_rank(self) -> int:
+        """The lowest reporting rank, the same on every rank (``report_ranks`` is per-run config;
+        ``auto`` reports from rank 0, or from every rank): a list without rank 0 (say the last
+        pipeline stage, which holds the loss) makes commands travel from its lowest rank."""
+        choice = self.config.report_ranks
+        if isinstance(choice, str):
+            return 0
+        ranks = [r for r in choice if r < self.world_size]
+        return min(ranks) if ranks else 0
 
     def _default_transport(self, model: nn.Module) -> Transport:
         cfg = self.config
@@ -322,7 +336,7 @@ class Monitor:
         self._desk.receive(commands)
 
     def _check_commands(self, step: int) -> None:
-        commands = self._desk.take(rank=self.rank, world_size=self.world_size)
+        commands = self._desk.take(rank=self.rank, world_size=self.world_size, src=self.command_rank)
         if commands and self._boundary.tripwire is not None:
             # Pending verdicts describe the state before these commands (a rollback abandons it):
             # every rank drops them at this same boundary, so their due reads stay in agreement.

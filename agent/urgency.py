@@ -150,7 +150,7 @@ class CommandBoundary:
         extra = self._tripwire_due(self.tick, current, grad_norm)
         self.tick += 1
         if extra:
-            # Rank 0's inbox is what the broadcast sends: give the decision its moment to arrive
+            # The command rank's inbox is what the broadcast sends: give the decision its moment to arrive
             # (the other ranks wait in the broadcast meanwhile).
             self._await_decision()
             if not every_n:
@@ -219,10 +219,10 @@ class CommandBoundary:
         return torch.full((), float(grad_norm), dtype=torch.float32, device=device)
 
     def _await_decision(self) -> None:
-        """On rank 0 (or alone), wait up to ``tripwire_wait_s`` for a command to arrive; only at
-        a boundary where the tripwire's verdict is due and fired, never in a healthy run."""
+        """On the command rank (or alone), wait up to ``tripwire_wait_s`` for a command to arrive;
+        only at a boundary where the tripwire's verdict is due and fired, never in a healthy run."""
         m = self._m
-        if m.rank != 0 or m.config.tripwire_wait_s <= 0:
+        if m.rank != m.command_rank or m.config.tripwire_wait_s <= 0:
             return
         self._wait_for_command()
 

@@ -1,6 +1,8 @@
 """Run by torchrun in test_healing_distributed.py: the README's healing loop under DDP with gloo
-on the CPU (emulated FP8, ``heal=HealConfig`` + ``monitor.batches``); rank 0 alone receives a
-rollback. Every rank writes the steps and batches it trained and hashes of its weights."""
+on the CPU (emulated FP8, ``heal=HealConfig`` + ``monitor.batches``); one rank alone receives a
+rollback: rank 0, or (second argument ``1``) rank 1 as the only reporting rank
+(``report_ranks=[1]``, as for a last pipeline stage that holds the loss). Every rank writes the
+steps and batches it trained and hashes of its weights."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def param_hash(model: nn.Module) -> str:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
+    receiver = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -43,8 +46,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(100 + rank)  # a shard per rank
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(40)]
     index = {id(x): i for i, (x, _) in enumerate(data)}
-    monitor = Monitor(MonitorConfig(run_id="dist-heal", command_check_interval_steps=5, tripwire=False),
-                      transport=NullTransport())
+    reporters = "auto" if receiver == 0 else [receiver]
+    monitor = Monitor(MonitorConfig(run_id="dist-heal", command_check_interval_steps=5, tripwire=False,
+                                    report_ranks=reporters), transport=NullTransport())
     monitor.attach(model, opt, scheduler=sched, heal=HealConfig(out_dir / "ckpt", every_n_steps=5))
     seen: list[tuple[int, int]] = []
     for x, y in monitor.batches(data, steps=20):
@@ -52,7 +56,7 @@ def main() -> None:
         seen.append((step, index[id(x)]))
         loss = F.mse_loss(ddp(x), y)
         loss.backward()
-        if rank == 0 and step == 12:
+        if rank == receiver and step == 12:
             monitor.receive_commands([ROLLBACK])
         monitor.step(loss)
         opt.step()
@@ -62,7 +66,8 @@ def main() -> None:
     healer = monitor.healer
     assert healer is not None
     result = {"rank": rank, "seen": seen, "final_hash": param_hash(model), "segment": monitor.segment,
-              "checkpoints": healer.checkpoints.steps()}
+              "checkpoints": healer.checkpoints.steps(), "reporting": monitor.reporting,
+              "command_rank": monitor.command_rank}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
