@@ -32,7 +32,8 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"],
                    responses={404: {"description": "Unknown run, tensor or stat"}})
 
 RunId = Annotated[str, Path(pattern=wire.RUN_ID_PATTERN, description="the run's client-chosen id")]
-Rank = Annotated[int, Query(ge=0, lt=65536, description="which rank's data")]
+Rank = Annotated[int | None, Query(ge=0, lt=65536, description="which rank's data (default: the run's lead rank, "
+                                                              "its lowest reporting rank: 0 in most runs)")]
 # Steps are below 2^53 (the wire protocol's bound); every integer bound also keeps queries inside
 # the databases' 64-bit integers (SQLite raised OverflowError, a 500, past them).
 Start = Annotated[int | None, Query(ge=0, lt=MAX_STEP, description="first step (default: the run's first)")]
@@ -44,7 +45,7 @@ _SCALAR_LIST = rf"^(({'|'.join(_SCALARS)})(,({'|'.join(_SCALARS)}))*)?$"
 Segment = Annotated[int | None, Query(ge=0, lt=2**31, description="one segment only (default: the effective timeline)")]
 
 
-def _window(settings_max: int, rank: int, start: int | None, end: int | None, width: int,
+def _window(settings_max: int, rank: int | None, start: int | None, end: int | None, width: int,
             segment: int | None) -> Window:
     """A width past the service's ``max_width`` gets that many columns (``bucket`` in the answer
     says how coarse), and ``end`` before ``start`` is an empty range, answered with no points:
@@ -99,7 +100,7 @@ def scalars(
     fields: Annotated[list[Annotated[str, StringConstraints(pattern=_SCALAR_LIST)]],
                       Query(description=f"{', '.join(_SCALARS)} (repeat or comma-separate)")]
     = ["loss", "grad_norm", "lr"],  # noqa: B006 - FastAPI copies defaults
-    rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
+    rank: Rank = None, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
 ) -> ScalarSeriesOut:
     names = [n for f in fields for n in f.split(",") if n]
     series = store.scalars(run_id, names, _window(settings.max_width, rank, start, end, width, segment))
@@ -111,7 +112,7 @@ def scalars(
 def tensor_series(
     run_id: RunId, index: Annotated[int, Path(ge=0, lt=wire.MAX_TENSORS)], store: StoreDep, settings: SettingsDep,
     stat: Annotated[str, Query(description="e.g. amax, scale, saturation")] = "amax",
-    rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
+    rank: Rank = None, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
 ) -> TensorSeriesOut:
     s = store.tensor_series(run_id, index, stat, _window(settings.max_width, rank, start, end, width, segment))
     return TensorSeriesOut(tensor=_tensor_out(s.tensor), stat=s.stat, bucket=s.bucket, steps=s.steps,
@@ -125,7 +126,7 @@ def tensor_matrix(
     stat: Annotated[str, Query()] = "amax",
     encoding: Annotated[Literal["base64", "json"], Query(description="base64 float32 (fast) or JSON lists")]
     = "base64",
-    rank: Rank = 0, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
+    rank: Rank = None, start: Start = None, end: End = None, width: Width = 2000, segment: Segment = None,
 ) -> Response:
     m = store.tensor_matrix(run_id, stat, _window(settings.max_width, rank, start, end, width, segment))
     # Built by hand: validating and re-serialising megabytes of base64 through the response

@@ -26,6 +26,7 @@ from fp8guard.service.store.models import (
     SqlStep,
     SqlTensorSeries,
 )
+from fp8guard.service.store.series_reader import lead_rank
 
 __all__ = ["RunMetrics", "action_list", "active_run_metrics", "checkpoint_list", "finding_list", "pending_commands",
            "pending_commands_later", "precision_list"]
@@ -100,17 +101,18 @@ class RunMetrics:
     saturating: int | None = None
     underflowing: int | None = None
     fp8_loss_gap: float | None = None
-    """The harm probe's latest gap on rank 0 (NaN when it was NaN; None: no probe lately)."""
+    """The harm probe's latest gap on the lead rank (NaN when it was NaN; None: no probe lately)."""
 
 
 def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetrics], int]:
     """Up to ``max_runs`` running runs (most recently active first) and how many run in all.
 
     Two queries whatever the number of runs: one row per run with its scalars and counts
-    (correlated sub-selects; the harm probe's latest gap is rank 0's newest step in its newest
-    segment that carries one, within ``GAP_LOOKBACK_STEPS``), then the latest level-1
-    ``saturation`` and ``underflows`` rows of rank 0, found through the primary key, so the cost
-    does not grow with run length."""
+    (correlated sub-selects; the harm probe's latest gap is the lead rank's newest step in its
+    newest segment that carries one, within ``GAP_LOOKBACK_STEPS``), then the latest level-1
+    ``saturation`` and ``underflows`` rows of the lead rank, found through the primary key, so the
+    cost does not grow with run length. The lead rank is the run's lowest reporting rank
+    (``series_reader.lead_rank``): rank 0 unless the agents' ``report_ranks`` leave it out."""
     pk = SqlRun.id
     running = SqlRun.status == "running"
     active = int(conn.scalar(sa.select(sa.func.count()).select_from(SqlRun).where(running)) or 0)
@@ -125,7 +127,7 @@ def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetr
     def latest_gap(col: Any) -> Any:
         probed = (SqlStep.fp8_loss_gap.is_not(None) | (gap_nan != 0))
         return (sa.select(col)
-                .where(SqlStep.run_pk == pk, SqlStep.rank == 0, SqlStep.segment == rank0.last_segment,
+                .where(SqlStep.run_pk == pk, SqlStep.rank == rank0.rank, SqlStep.segment == rank0.last_segment,
                        SqlStep.step <= rank0.last_step, SqlStep.step >= rank0.last_step - GAP_LOOKBACK_STEPS, probed)
                 .order_by(SqlStep.step.desc()).limit(1).correlate(SqlRun, rank0).scalar_subquery())
 
@@ -142,7 +144,7 @@ def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetr
         latest_gap(SqlStep.fp8_loss_gap), latest_gap(gap_nan),
         *(count(SqlAction, SqlAction.kind == kind) for kind in kinds),
     ]
-    query = (sa.select(*cols).outerjoin(rank0, (rank0.run_pk == pk) & (rank0.rank == 0)).where(running)
+    query = (sa.select(*cols).outerjoin(rank0, (rank0.run_pk == pk) & (rank0.rank == lead_rank(pk))).where(running)
              .order_by(SqlRun.updated_at.desc(), pk.desc()).limit(max_runs))
     runs = []
     for row in conn.execute(query):
@@ -163,13 +165,14 @@ def _latest_stats(conn: sa.Connection, runs: list[RunMetrics]) -> None:
     by_pk = {r.pk: r for r in runs}
     ts = SqlTensorSeries
     rank0 = sa.orm.aliased(SqlRunRank)
-    # Rank 0's newest segment holds its newest steps (a rollback starts a new segment).
-    key = ((ts.run_pk == SqlStat.run_pk) & (ts.rank == 0) & (ts.segment == rank0.last_segment)
+    # The lead rank's newest segment holds its newest steps (a rollback starts a new segment).
+    key = ((ts.run_pk == SqlStat.run_pk) & (ts.rank == rank0.rank) & (ts.segment == rank0.last_segment)
            & (ts.stat_id == SqlStat.id) & (ts.level == 1))
     newest = sa.select(sa.func.max(ts.block)).where(key).correlate(SqlStat, rank0).scalar_subquery()
     query = (
         sa.select(SqlStat.run_pk, SqlStat.name, ts.data)
-        .join(rank0, (rank0.run_pk == SqlStat.run_pk) & (rank0.rank == 0))
+        .select_from(SqlStat)
+        .join(rank0, (rank0.run_pk == SqlStat.run_pk) & (rank0.rank == lead_rank(SqlStat.run_pk)))
         .join(ts, key & (ts.block == newest))
         .where(SqlStat.run_pk.in_(list(by_pk)), SqlStat.name.in_((_SATURATION_STAT, _UNDERFLOW_STAT)))
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -57,7 +57,8 @@ __all__ = [
 class Window:
     """What part of a run a query covers."""
 
-    rank: int = 0
+    rank: int | None = None
+    """None: the run's lead rank (:func:`lead_rank`: its lowest reporting rank, 0 in most runs)."""
     start: int | None = None
     end: int | None = None
     width: int = 2000
@@ -88,8 +89,16 @@ def _summary_query() -> sa.Select[Any]:
     return (
         sa.select(SqlRun, agg.c.last_step, agg.c.samples, rank0.last_loss, rank0.last_loss_nan, active)
         .outerjoin(agg, agg.c.run_pk == SqlRun.id)
-        .outerjoin(rank0, (rank0.run_pk == SqlRun.id) & (rank0.rank == 0))
+        .outerjoin(rank0, (rank0.run_pk == SqlRun.id) & (rank0.rank == lead_rank(SqlRun.id)))
     )
+
+
+def lead_rank(run_pk: Any) -> Any:
+    """The run's lead rank as a correlated scalar subquery: its lowest reporting rank. Rank 0 in
+    every run but one whose agents' ``report_ranks`` leave it out (the last pipeline stage, which
+    holds the loss, say); the run's latest loss, saturation and harm gap are that rank's."""
+    ranks = sa.orm.aliased(SqlRunRank)
+    return sa.select(sa.func.min(ranks.rank)).where(ranks.run_pk == run_pk).scalar_subquery()
 
 
 def _aware(value: datetime) -> datetime:
@@ -146,6 +155,14 @@ def tensor_list(conn: sa.Connection, pk: int) -> list[TensorInfo]:
     ]
 
 
+def _ranked(conn: sa.Connection, pk: int, window: Window) -> Window:
+    """The window with its rank given: the run's lead rank when it asked for none."""
+    if window.rank is not None:
+        return window
+    lead = conn.scalar(sa.select(sa.func.min(SqlRunRank.rank)).where(SqlRunRank.run_pk == pk))
+    return replace(window, rank=0 if lead is None else int(lead))
+
+
 def _pieces(conn: sa.Connection, pk: int, window: Window) -> list[tuple[int, int, int]]:
     """(segment, first, last) stretches making up the requested view."""
     query = sa.select(SqlSegment.segment, SqlSegment.first_step, SqlSegment.last_step).where(
@@ -174,6 +191,7 @@ def _plan(pieces: Sequence[tuple[int, int, int]], window: Window) -> buckets.Buc
 
 
 def scalar_series(conn: sa.Connection, pk: int, fields: Sequence[str], window: Window) -> ScalarSeries:
+    window = _ranked(conn, pk, window)
     unknown = [f for f in fields if f not in (*STEP_FIELDS, "tokens", "time")]
     if unknown:
         raise InvalidPayload(f"unknown scalar {unknown[0]!r}; choose from {', '.join((*STEP_FIELDS, 'tokens', 'time'))}",
@@ -262,6 +280,7 @@ def _series_rows(conn: sa.Connection, pk: int, sid: int, level: int, seg: int, l
 
 
 def tensor_series(conn: sa.Connection, pk: int, index: int, stat: str, window: Window) -> TensorSeries:
+    window = _ranked(conn, pk, window)
     info = conn.execute(sa.select(SqlTensor).where(SqlTensor.run_pk == pk, SqlTensor.idx == index)).one_or_none()
     if info is None:
         raise NotFound(f"tensor index {index} is not defined for this run", loc=("path", "index"))
@@ -296,6 +315,7 @@ def tensor_series(conn: sa.Connection, pk: int, index: int, stat: str, window: W
 
 
 def tensor_matrix(conn: sa.Connection, pk: int, stat: str, window: Window) -> TensorMatrix:
+    window = _ranked(conn, pk, window)
     sid = _stat_id(conn, pk, stat)
     tensors = tensor_list(conn, pk)
     pieces = _pieces(conn, pk, window)

@@ -12,6 +12,7 @@ from fp8guard.service.domain import TokenRecord
 from fp8guard.service.errors import Conflict, NotFound
 from fp8guard.service.kinds import AuditEventKind, Role
 from fp8guard.service.store.models import SqlEvent, SqlRun, SqlRunRank, SqlSession, SqlToken
+from fp8guard.service.store.series_reader import lead_rank
 
 __all__ = ["audit_guard", "delete_session", "insert_session", "insert_token", "revoke_token", "run_owner", "session_token",
            "token_by_hash", "token_list"]
@@ -93,10 +94,10 @@ def run_owner(conn: sa.Connection, run_id: str) -> tuple[bool, int | None]:
 
 def audit_guard(conn: sa.Connection, run_pk: int, old: dict[str, Any] | None, new: dict[str, Any] | None,
                 actor: str, now: datetime) -> None:
-    """A ``guard_changed`` event at the run's current step on rank 0 (who, old -> new)."""
-    progress = conn.execute(sa.select(SqlRunRank.last_step, SqlRunRank.last_segment)
-                            .where(SqlRunRank.run_pk == run_pk, SqlRunRank.rank == 0)).first()
-    step, segment = (None, 0) if progress is None else (progress[0], progress[1])
-    conn.execute(sa.insert(SqlEvent).values(run_pk=run_pk, rank=0, segment=segment, step=step,
+    """A ``guard_changed`` event at the run's current step on its lead rank (who, old -> new)."""
+    progress = conn.execute(sa.select(SqlRunRank.rank, SqlRunRank.last_step, SqlRunRank.last_segment)
+                            .where(SqlRunRank.run_pk == run_pk, SqlRunRank.rank == lead_rank(run_pk))).first()
+    rank, step, segment = (0, None, 0) if progress is None else (progress[0], progress[1], progress[2])
+    conn.execute(sa.insert(SqlEvent).values(run_pk=run_pk, rank=rank, segment=segment, step=step,
                                             time=now.timestamp(), kind=AuditEventKind.GUARD_CHANGED.value,
                                             data={"by": actor, "old": old, "new": new}))

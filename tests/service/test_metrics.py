@@ -109,6 +109,27 @@ def test_run_gauges(mclient: Any) -> None:
     assert s[("fp8guard_runs_truncated", ())] == 0
 
 
+def test_a_run_reported_by_rank_1_only(mclient: Any) -> None:
+    """``report_ranks=[1]`` (say the last pipeline stage, which holds the loss): the run's gauges,
+    its summary and the run list read its lowest reporting rank, not an absent rank 0."""
+    register(mclient, "r1", world_size=2)
+    values = stat_block([10, 11], 6, [0.5, 3.0, 0.1, 0.1, 0.1, 0.1], [0, 2, 0, 0, 0, 0])
+    r = post(mclient, batch("r1", [10, 11], rank=1, stats=STATS, values=values, losses=[3.0, 2.75]))
+    assert r.status_code == 200, r.text
+    s = scrape(mclient)
+    assert run_value(s, "fp8guard_run_last_loss", "r1") == 2.75
+    assert run_value(s, "fp8guard_run_worst_saturation_ratio", "r1") == 3.0
+    assert run_value(s, "fp8guard_run_tensors_underflowing", "r1") == 1
+    assert mclient.get("/v1/runs/r1").json()["last_loss"] == 2.75
+    listed = {row["run_id"]: row for row in mclient.get("/v1/runs").json()}
+    assert listed["r1"]["last_loss"] == 2.75
+    # the series routes answer for the lead rank when none is asked; rank 0 has nothing
+    assert mclient.get("/v1/runs/r1/scalars", params={"fields": "loss"}).json()["steps"] == [10, 11]
+    assert mclient.get("/v1/runs/r1/tensors/1/series", params={"stat": "saturation"}).json()["max"] == [100.0, 3.0]
+    assert mclient.get("/v1/runs/r1/matrix", params={"stat": "amax", "encoding": "json"}).json()["steps"] == [10, 11]
+    assert mclient.get("/v1/runs/r1/scalars", params={"fields": "loss", "rank": 0}).json()["steps"] == []
+
+
 def test_nan_loss_and_no_saturation_stat(mclient: Any) -> None:
     register(mclient, "nan")
     post(mclient, batch("nan", [1], stats=("amax",), losses=[math.nan]))

@@ -16,15 +16,16 @@
 
   /* -> { stretches: Map key -> [{from, to, precision}] (to exclusive, null while open), keys in first-switch order }
      in the run's effective step axis: a rollback to checkpoint c keeps what happened up to c and
-     re-runs c+1 on in the precision the modules had when it was applied. Rank 0's events. */
-  function history(events, actions, current) {
+     re-runs c+1 on in the precision the modules had when it was applied. The lead rank's events
+     (rank: the run's lowest reporting rank, 0 in most runs). */
+  function history(events, actions, current, rank = 0) {
     const pinnedIds = new Set(actions.filter((a) => a.payload && a.payload.escalation).map((a) => a.id));
     const closed = new Map(), open = new Map();
     const list = (k) => { if (!closed.has(k)) closed.set(k, []); return closed.get(k); };
     const order = [];
     const seen = (k) => { if (!order.includes(k)) order.push(k); };
     for (const e of events) {
-      if (e.rank !== 0 || e.step === null || e.step === undefined) continue;
+      if (e.rank !== rank || e.step === null || e.step === undefined) continue;
       const d = e.data || {};
       if (e.kind === "rollback_applied" && Number.isInteger(d.checkpoint_step)) {
         const c = d.checkpoint_step;

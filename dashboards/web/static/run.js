@@ -85,9 +85,16 @@
     ];
   }
 
+  /* the run's lead rank: its lowest reporting rank (0 unless report_ranks leave rank 0 out); the
+     series routes answer for it when no rank is asked */
+  function leadRank(detail) {
+    return detail.ranks.length ? Math.min(...detail.ranks.map((r) => r.rank)) : 0;
+  }
+
   async function fetchScalars(detail) {
     const width = F.widthOf(document.getElementById("loss")) - 80;
-    const lastSegment = Math.max(0, ...detail.ranks.filter((r) => r.rank === 0).map((r) => r.last_segment));
+    const lead = leadRank(detail);
+    const lastSegment = Math.max(0, ...detail.ranks.filter((r) => r.rank === lead).map((r) => r.last_segment));
     const segs = [];
     for (let s = 0; s < lastSegment; s++) segs.push(s);
     const [gap, eff, ...abandoned] = await Promise.all([
@@ -262,14 +269,15 @@
   }
 
   /* ---------- the run's facts: findings, actions, events, precision (small queries) ---------- */
-  async function fetchFacts() {
+  async function fetchFacts(detail) {
+    const lead = leadRank(detail);
     const [findings, actions, precision, checkpoints, events] = await Promise.all([
       api(base + "/findings"), api(base + "/actions"), api(base + "/precision"), api(base + "/checkpoints"),
       api(base + "/events", { limit: 10000 }),
     ]);
     const rollbacks = events.filter((e) => e.kind === "rollback_applied");
-    const harm = events.filter((e) => (e.kind === "harm_attributed" || e.kind === "promotion_trial") && e.rank === 0);
-    const hist = F.precision.history(events, actions, precision);
+    const harm = events.filter((e) => (e.kind === "harm_attributed" || e.kind === "promotion_trial") && e.rank === lead);
+    const hist = F.precision.history(events, actions, precision, lead);
     return { findings, actions, precision, checkpoints, events, rollbacks, hist, harm };
   }
 
@@ -282,7 +290,7 @@
     state.key = key;
     if (dataChanged && (!state.tensors || state.tensors.length !== detail.num_tensors)) state.tensors = await api(base + "/tensors");
     if (dataChanged) axisFor(detail, state.tensors);
-    const factsReady = fetchFacts();
+    const factsReady = fetchFacts(detail);
     /* the heatmaps' matrices are the heaviest queries: ask for them first */
     const heat = dataChanged ? drawHeatmaps(detail, factsReady) : { fetched: Promise.resolve(), drawn: Promise.resolve() };
     const ready = heat.drawn.then(() => {
