@@ -244,19 +244,19 @@ class RunCollector(Collector):
         yield GaugeMetricFamily("fp8guard_runs_truncated",
                                 "Active runs left out of the per-run series (over max_runs).", value=truncated)
         yield gauge("fp8guard_run_last_step", "Highest step reported by any rank.", lambda r: r.last_step)
-        yield gauge("fp8guard_run_last_loss", "Rank 0's last reported loss (NaN when it was NaN).",
+        yield gauge("fp8guard_run_last_loss", "The lead rank's last reported loss (NaN when it was NaN).",
                     lambda r: r.last_loss)
         yield gauge("fp8guard_run_worst_saturation_ratio",
-                    "Largest saturation over tensors at rank 0's latest step (above 1 means clipping).",
+                    "Largest saturation over tensors at the lead rank's latest step (above 1 means clipping).",
                     lambda r: r.worst_saturation)
         yield gauge("fp8guard_run_tensors_saturating", "Tensors whose latest saturation is above 1.",
                     lambda r: r.saturating)
-        yield gauge("fp8guard_run_tensors_underflowing", "Tensors with underflows at rank 0's latest step.",
+        yield gauge("fp8guard_run_tensors_underflowing", "Tensors with underflows at the lead rank's latest step.",
                     lambda r: r.underflowing)
         yield gauge("fp8guard_run_layers_bf16", "Modules currently running in BF16 (fallen back or pinned).",
                     lambda r: r.layers_bf16)
         yield gauge("fp8guard_run_fp8_loss_gap",
-                    "Harm probe's latest (loss_fp8 - loss_bf16) / loss_bf16 on rank 0: what FP8 costs the loss.",
+                    "Harm probe's latest (loss_fp8 - loss_bf16) / loss_bf16 on the lead rank: what FP8 costs the loss.",
                     lambda r: r.fp8_loss_gap)
         yield counter("fp8guard_run_findings", "Findings of the detection rules.", lambda r: r.findings)
         yield counter("fp8guard_run_rollbacks", "Rollbacks decided (pending or applied).", lambda r: r.rollbacks)
