@@ -38,6 +38,15 @@ def _tensor(dtype: torch.dtype, fmt: Fp8Format, n: int = 6000, seed: int = 0) ->
     return x, scale
 
 
+def counted(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, fp8_bytes: torch.Tensor | None,
+            backend: str) -> list[int]:
+    """``[overflows, underflows]`` of one ``count_cast_into`` call into a fresh buffer."""
+    out = torch.zeros(2, dtype=torch.int64)
+    kernels.count_cast_into(out, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt, fp8_bytes=fp8_bytes,
+                            backend=backend)
+    return [int(v) for v in out.tolist()]
+
+
 def _brute(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, q: torch.Tensor) -> list[int]:
     """Element by element: TE's overflow threshold; underflow = nonzero value, zero FP8 byte."""
     thr = float(torch.reciprocal(scale)[0] * fmt.fp8_max)
@@ -82,7 +91,7 @@ _INTERPRETED = textwrap.dedent("""
     import json, torch
     from fp8guard.agent import kernels
     from fp8guard.agent.fp8 import Fp8Format, quantize
-    from tests.agent.test_kernels import _tensor
+    from tests.agent.test_kernels import _tensor, counted
     assert kernels.triton_available(torch.device("cpu"))
     results = []
     for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
@@ -90,14 +99,8 @@ _INTERPRETED = textwrap.dedent("""
             # 3 blocks of 4096 and a tail: several programs, several loop iterations, masking
             x, scale = _tensor(dtype, fmt, n=3 * 4096 + 123, seed=1)
             q = quantize(x, scale[0], fmt)
-            row = []
-            for fp8_bytes in (None, q):
-                for backend in ("triton", "torch"):
-                    out = torch.zeros(2, dtype=torch.int64)
-                    kernels.count_cast_into(out, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt,
-                                            fp8_bytes=fp8_bytes, backend=backend)
-                    row.append(out.tolist())
-            results.append(row)
+            results.append([counted(x, scale, fmt, fp8_bytes, backend)
+                            for fp8_bytes in (None, q) for backend in ("triton", "torch")])
     print(json.dumps({"counts": results}))
 """)
 
@@ -113,8 +116,8 @@ def test_triton_kernels_under_the_interpreter() -> None:
 
 _SPARSE = textwrap.dedent("""
     import json, torch
-    from fp8guard.agent import kernels
     from fp8guard.agent.fp8 import Fp8Format, quantize
+    from tests.agent.test_kernels import counted
     # Tiles of 64 x 64: most hold only mid-range bytes (the FP8-bytes variant skips them), a few
     # hold one element that overflows or underflows, at a tile's first and last element, in the
     # tail, and next to a skipped tile.
@@ -130,13 +133,7 @@ _SPARSE = textwrap.dedent("""
             for at in (2 * 4096 + 5, 6 * 4096, n - 2):
                 x[at] = 1e-6
             q = quantize(x, scale[0], fmt)
-            row = []
-            for backend in ("triton", "torch"):
-                got = torch.zeros(2, dtype=torch.int64)
-                kernels.count_cast_into(got, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt,
-                                        fp8_bytes=q, backend=backend)
-                row.append(got.tolist())
-            out.append(row)
+            out.append([counted(x, scale, fmt, q, backend) for backend in ("triton", "torch")])
     print(json.dumps(out))
 """)
 
