@@ -87,12 +87,12 @@ class TableSumOfSquares:
                  block: int = BLOCK, sub: int = SUB_BLOCKS, warps: int = WARPS, per_sm: int = PROGRAMS_PER_SM) -> None:
         """``block`` elements per load, ``sub`` loads per block-table entry, ``warps`` per program,
         ``per_sm`` programs per multiprocessor: the defaults are calibrated (module constants)."""
+        if block < 1 or sub < 1 or warps < 1 or per_sm < 1:
+            raise ValueError("TableSumOfSquares: block, sub, warps and per_sm must be positive")
         if _kernel() is None:
             raise RuntimeError("TableSumOfSquares needs Triton")
         if dtype not in _TL_DTYPE:
             raise ValueError(f"TableSumOfSquares: unsupported dtype {dtype}")
-        if block < 1 or sub < 1 or warps < 1 or per_sm < 1:
-            raise ValueError("TableSumOfSquares: block, sub, warps and per_sm must be positive")
         self.dtype, self.device, self.block, self.sub, self.warps = dtype, device, block, sub, warps
         tensor_of: list[int] = []
         start_of: list[int] = []

@@ -120,21 +120,21 @@ def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetr
     def count(model: Any, *where: sa.ColumnElement[bool]) -> Any:
         return sa.select(sa.func.count()).select_from(model).where(model.run_pk == pk, *where).scalar_subquery()
 
-    rank0 = sa.orm.aliased(SqlRunRank)
+    lead = sa.orm.aliased(SqlRunRank)
     kinds = list(ActionKind)
     gap_nan = SqlStep.nan_mask.op("&")(_GAP_NAN_BIT)
 
     def latest_gap(col: Any) -> Any:
         probed = (SqlStep.fp8_loss_gap.is_not(None) | (gap_nan != 0))
         return (sa.select(col)
-                .where(SqlStep.run_pk == pk, SqlStep.rank == rank0.rank, SqlStep.segment == rank0.last_segment,
-                       SqlStep.step <= rank0.last_step, SqlStep.step >= rank0.last_step - GAP_LOOKBACK_STEPS, probed)
-                .order_by(SqlStep.step.desc()).limit(1).correlate(SqlRun, rank0).scalar_subquery())
+                .where(SqlStep.run_pk == pk, SqlStep.rank == lead.rank, SqlStep.segment == lead.last_segment,
+                       SqlStep.step <= lead.last_step, SqlStep.step >= lead.last_step - GAP_LOOKBACK_STEPS, probed)
+                .order_by(SqlStep.step.desc()).limit(1).correlate(SqlRun, lead).scalar_subquery())
 
     cols: list[Any] = [
         pk, SqlRun.run_id,
         sa.select(sa.func.max(SqlRunRank.last_step)).where(SqlRunRank.run_pk == pk).scalar_subquery(),
-        rank0.last_loss, rank0.last_loss_nan,
+        lead.last_loss, lead.last_loss_nan,
         # What the agent reported applied: a pending, failed or ignored fallback is not BF16.
         count(SqlLayerPrecision, SqlLayerPrecision.precision.in_((Precision.BF16, Precision.PINNED))),
         count(SqlFinding),
@@ -144,7 +144,7 @@ def active_run_metrics(conn: sa.Connection, max_runs: int) -> tuple[list[RunMetr
         latest_gap(SqlStep.fp8_loss_gap), latest_gap(gap_nan),
         *(count(SqlAction, SqlAction.kind == kind) for kind in kinds),
     ]
-    query = (sa.select(*cols).outerjoin(rank0, (rank0.run_pk == pk) & (rank0.rank == lead_rank(pk))).where(running)
+    query = (sa.select(*cols).outerjoin(lead, (lead.run_pk == pk) & (lead.rank == lead_rank(pk))).where(running)
              .order_by(SqlRun.updated_at.desc(), pk.desc()).limit(max_runs))
     runs = []
     for row in conn.execute(query):
@@ -164,15 +164,15 @@ def _latest_stats(conn: sa.Connection, runs: list[RunMetrics]) -> None:
         return
     by_pk = {r.pk: r for r in runs}
     ts = SqlTensorSeries
-    rank0 = sa.orm.aliased(SqlRunRank)
+    lead = sa.orm.aliased(SqlRunRank)
     # The lead rank's newest segment holds its newest steps (a rollback starts a new segment).
-    key = ((ts.run_pk == SqlStat.run_pk) & (ts.rank == rank0.rank) & (ts.segment == rank0.last_segment)
+    key = ((ts.run_pk == SqlStat.run_pk) & (ts.rank == lead.rank) & (ts.segment == lead.last_segment)
            & (ts.stat_id == SqlStat.id) & (ts.level == 1))
-    newest = sa.select(sa.func.max(ts.block)).where(key).correlate(SqlStat, rank0).scalar_subquery()
+    newest = sa.select(sa.func.max(ts.block)).where(key).correlate(SqlStat, lead).scalar_subquery()
     query = (
         sa.select(SqlStat.run_pk, SqlStat.name, ts.data)
         .select_from(SqlStat)
-        .join(rank0, (rank0.run_pk == SqlStat.run_pk) & (rank0.rank == lead_rank(SqlStat.run_pk)))
+        .join(lead, (lead.run_pk == SqlStat.run_pk) & (lead.rank == lead_rank(SqlStat.run_pk)))
         .join(ts, key & (ts.block == newest))
         .where(SqlStat.run_pk.in_(list(by_pk)), SqlStat.name.in_((_SATURATION_STAT, _UNDERFLOW_STAT)))
     )

@@ -83,13 +83,13 @@ def _summary_query() -> sa.Select[Any]:
         .group_by(SqlRunRank.run_pk)
         .subquery()
     )
-    rank0 = sa.orm.aliased(SqlRunRank)
+    lead = sa.orm.aliased(SqlRunRank)
     # Ingest touches only run_ranks (one row lock per rank), so activity time is derived here.
     active = sa.func.coalesce(agg.c.active_at, SqlRun.updated_at).label("active_at")
     return (
-        sa.select(SqlRun, agg.c.last_step, agg.c.samples, rank0.last_loss, rank0.last_loss_nan, active)
+        sa.select(SqlRun, agg.c.last_step, agg.c.samples, lead.last_loss, lead.last_loss_nan, active)
         .outerjoin(agg, agg.c.run_pk == SqlRun.id)
-        .outerjoin(rank0, (rank0.run_pk == SqlRun.id) & (rank0.rank == lead_rank(SqlRun.id)))
+        .outerjoin(lead, (lead.run_pk == SqlRun.id) & (lead.rank == lead_rank(SqlRun.id)))
     )
 
 
@@ -159,7 +159,7 @@ def _ranked(conn: sa.Connection, pk: int, window: Window) -> Window:
     """The window with its rank given: the run's lead rank when it asked for none."""
     if window.rank is not None:
         return window
-    lead = conn.scalar(sa.select(sa.func.min(SqlRunRank.rank)).where(SqlRunRank.run_pk == pk))
+    lead = conn.scalar(sa.select(lead_rank(pk)))
     return replace(window, rank=0 if lead is None else int(lead))
 
 
