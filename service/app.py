@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     writers = settings.ingest_writers or (4 if postgres else 1)
     inline = settings.ingest_inline_max_samples
     committer = Committer(store, writers=writers, max_batches=settings.group_commit_max_batches,
-                          on_stored=judge_soon, inline_max_samples=(0 if postgres else 20_000) if inline is None else inline)
+                          on_stored=judge_soon, inline_max_samples=20_000 if inline is None else inline)
     dispatcher = AlertDispatcher(store.engine, settings.alerts)
 
     @asynccontextmanager

@@ -22,7 +22,7 @@ def test_db_upgrade_then_runs_list(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     r = runner.invoke(app, ["db", "upgrade", "--database-url", url])
     assert r.exit_code == 0, r.output
-    assert "revision 0005" in r.output
+    assert "revision 0006" in r.output
     store = Store.open(url)
     store.register_run(RunSpec(run_id="cli-run", model="gpt"))
     store.close()
@@ -31,7 +31,7 @@ def test_db_upgrade_then_runs_list(tmp_path) -> None:
     r = runner.invoke(app, ["runs", "list", "--database-url", url, "--json"])
     assert json.loads(r.output.splitlines()[0])["run_id"] == "cli-run"
     r = runner.invoke(app, ["db", "current", "--database-url", url])
-    assert "current: 0005" in r.output
+    assert "current: 0006" in r.output
 
 
 def test_runs_list_on_unmigrated_database_says_what_to_run(tmp_path) -> None:

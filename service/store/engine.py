@@ -15,6 +15,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine, make_url
 
 from fp8guard.service.errors import SchemaNotAtHead
+from fp8guard.service.store import sql
 
 __all__ = [
     "PING_AFTER_IDLE_S",
@@ -110,6 +111,9 @@ class _Liveness:
     def checkin(self, dbapi_conn: Any, record: Any) -> None:
         if dbapi_conn is not None:
             record.info[_IDLE_SINCE] = time.monotonic()
+            # A transaction begun in a pipeline (``sql.pipeline``) switched the connection to
+            # autocommit; the pool's reset has ended it by now: switch back.
+            sql.end_unsynced(dbapi_conn, discard=True)
 
     def checkout(self, dbapi_conn: Any, record: Any, proxy: Any) -> None:
         since = record.info.get(_IDLE_SINCE)

@@ -147,6 +147,7 @@ class Store:
             raise
         except sa.exc.OperationalError as exc:
             self._rollback(session)
+            _raise_if_stale(exc.orig)
             log.warning("database unavailable: %s", exc.orig)
             raise StorageUnavailable(f"the database is unavailable, retry later ({type(exc.orig).__name__})") from exc
         except sa.exc.IntegrityError as exc:
@@ -163,6 +164,7 @@ class Store:
             dbapi = self.engine.dialect.dbapi
             if dbapi is None or not isinstance(exc, dbapi.Error):
                 raise
+            _raise_if_stale(exc)
             for hook in self.on_database_error:
                 hook(exc)
             if isinstance(exc, dbapi.IntegrityError):
@@ -307,23 +309,32 @@ class Store:
         # One lock order for every process: ranks are locked in (run, rank) order, never crosswise.
         order = sorted(range(len(batches)), key=lambda i: (batches[i].run_id, batches[i].rank))
         if len(batches) > 1:
-            txn = self._cache.begin()
             try:
-                results = self._store_group([batches[i] for i in order], now, txn)
-                self._cache.publish(txn)
+                results = self._store_checked([batches[i] for i in order], now)
                 by_index = dict(zip(order, results, strict=True))
                 return [by_index[i] for i in range(len(batches))]
             except ServiceError:
                 pass  # nothing of the failed transaction is published; retry batch by batch
         out: list[IngestResult | ServiceError] = []
         for batch in batches:
-            txn = self._cache.begin()
             try:
-                out += self._store_group([batch], now, txn)
-                self._cache.publish(txn)
+                out += self._store_checked([batch], now)
             except ServiceError as exc:
                 out.append(exc)
         return out
+
+    def _store_checked(self, batches: Sequence[Batch], now: datetime) -> list[IngestResult]:
+        """``_store_group``, first against the ranks' progress as this process last wrote it (no
+        wait to read it, PostgreSQL), then, if another process wrote a rank meanwhile or a batch
+        is a duplicate, again reading it (``writer.StaleProgress``: the first try wrote nothing)."""
+        try:
+            txn = self._cache.begin()
+            results = self._store_group(batches, now, txn)
+        except writer.StaleProgress:
+            txn = self._cache.begin(optimistic=False)
+            results = self._store_group(batches, now, txn)
+        self._cache.publish(txn)
+        return results
 
     def _store_group(self, batches: Sequence[Batch], now: datetime, txn: writer.CacheTxn) -> list[IngestResult]:
         """Write ``batches`` in one transaction and commit; their results once committed."""
@@ -430,3 +441,10 @@ class Store:
     def ping(self) -> None:
         with self._session() as s:
             s.execute(sa.text("SELECT 1"))
+
+
+def _raise_if_stale(exc: BaseException | None) -> None:
+    """A failed progress check (``writer.StaleProgress``) is not a database error: the caller
+    writes the batch again."""
+    if getattr(exc, "sqlstate", None) == writer.STALE_PROGRESS_SQLSTATE:
+        raise writer.StaleProgress(str(exc).splitlines()[0]) from exc

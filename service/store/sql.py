@@ -35,7 +35,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["Later", "array_literal", "fetch_all", "fetch_later", "fetch_one", "insert_returning_ids", "json_value", "pipeline", "run",
+__all__ = ["Later", "array_literal", "end_unsynced", "fetch_all", "fetch_later", "fetch_one", "insert_returning_ids", "json_value", "pipeline", "run",
            "run_many", "timestamp"]
 
 
@@ -69,13 +69,48 @@ def pipeline(conn: sa.Connection, *, commit: bool = False) -> Iterator[None]:
         return
     raw = conn.connection.driver_connection
     assert raw is not None
+    own_begin = _begin_unsynced(raw)
     with raw.pipeline():
+        if own_begin:
+            raw.execute("BEGIN")
         yield
         if commit:
             # A COMMIT statement rather than ``raw.commit()``, which syncs at once: the block's end
             # syncs anyway, and a second sync would be a second round trip. The driver learns
             # the transaction ended from the server's answer; the caller's commit is then a no-op.
             raw.execute("COMMIT")
+    end_unsynced(raw)
+
+
+def _begin_unsynced(raw: Any) -> bool:
+    """Make the transaction's BEGIN ride in the pipeline. Outside autocommit, psycopg sends its
+    own BEGIN with a Sync and waits for the answer: a round trip of its own before the first
+    statement (one of a small batch's three). For the transaction, the connection is switched to
+    autocommit and this module sends BEGIN itself, queued with what follows. The switch is undone
+    as soon as the transaction has ended (``end_unsynced``: after the pipeline's COMMIT, or when
+    the pool takes the connection back, whose reset rolls back what is left). True if the caller
+    must send BEGIN."""
+    from psycopg import pq
+
+    if raw.autocommit or raw.info.transaction_status != pq.TransactionStatus.IDLE:
+        return False  # a transaction is open already
+    raw.autocommit = True
+    return True
+
+
+def end_unsynced(raw: Any, *, discard: bool = False) -> None:
+    """Back to psycopg's own transactions once the transaction ``_begin_unsynced`` began has
+    ended (the service's connections are never autocommit otherwise). With ``discard`` (the pool
+    taking the connection back), a transaction still open is rolled back first."""
+    from psycopg import pq
+
+    if not raw.autocommit or raw.closed:
+        return
+    if raw.info.transaction_status != pq.TransactionStatus.IDLE:
+        if not discard:
+            return  # the transaction goes on after the pipeline
+        raw.rollback()
+    raw.autocommit = False
 
 
 class Later:

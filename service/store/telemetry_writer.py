@@ -3,7 +3,10 @@
 Order inside the transaction matters:
 1. the batch id is inserted first, so a retried (or concurrently duplicated) batch stops here;
 2. the (run, rank) progress row is updated next; its row lock serialises writers of one rank
-   across service processes sharing PostgreSQL, which keeps the roll-up read-modify-write safe;
+   across service processes sharing PostgreSQL, which keeps the roll-up read-modify-write safe.
+   On PostgreSQL a rank whose progress this process knows from its own last write is not read
+   first (a round trip): the statement checks that the rank is as known and otherwise fails the
+   transaction (``StaleProgress``), which is then written again the careful way;
 3. tensor and stat tables, scalars, raw stat rows (COPY on PostgreSQL), roll-ups, events;
 4. what the agent reported as fact (acknowledged commands, saved checkpoints, precision it
    applied): data, stored with the batch that carries it;
@@ -35,7 +38,7 @@ from fp8guard.service.store import buckets, sql
 from fp8guard.service.store.rollup_writer import SERIES_COLUMNS, RollupTail, merge_rollups, recompute_rollups
 from fp8guard.wire import STEP_FIELDS
 
-__all__ = ["CacheTxn", "WriteCache", "ingest_batch", "upsert_insert"]
+__all__ = ["STALE_PROGRESS_SQLSTATE", "CacheTxn", "Progress", "StaleProgress", "WriteCache", "ingest_batch", "upsert_insert"]
 
 _STATUS_BY_EVENT = {"run_finished": "finished", "run_failed": "failed", "run_started": "running", "run_resumed": "running"}
 
@@ -55,26 +58,32 @@ class WriteCache:
     """Per (run, rank): the newest roll-up rows this process wrote, valid only while the
     rank's ``batches`` counter shows no other writer wrote since (checked under the row lock)."""
     max_tails: int = 256
+    progress: OrderedDict[tuple[int, int], Progress] = field(default_factory=OrderedDict)
+    """Per (run, rank): the rank's progress row as this process's last committed write of it
+    left it; a hint, checked by the next write (``_accept``)."""
+    max_progress: int = 4096
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def begin(self) -> CacheTxn:
-        return CacheTxn(self)
+    def begin(self, *, optimistic: bool = True) -> CacheTxn:
+        return CacheTxn(self, optimistic=optimistic)
 
     def publish(self, txn: CacheTxn) -> None:
         with self._lock:
             for kind, key, value in txn.pending:
-                if kind == "tails":
-                    old = self.tails.get(key)
+                if kind in ("tails", "progress"):
+                    newest: OrderedDict[tuple[int, int], Any] = getattr(self, kind)
+                    old = newest.get(key)
                     if old is None or old.batches < value.batches:  # writers may publish out of order
-                        self.tails[key] = value
-                        self.tails.move_to_end(key)
-                    while len(self.tails) > self.max_tails:
-                        self.tails.popitem(last=False)
+                        newest[key] = value
+                        newest.move_to_end(key)
+                    while len(newest) > (self.max_tails if kind == "tails" else self.max_progress):
+                        newest.popitem(last=False)
                     continue
                 table: dict[Any, Any] = getattr(self, kind)
                 table[key] = max(value, table.get(key, value)) if kind == "tensors_defined" else value
         txn.pending.clear()
         txn.staged_tails.clear()
+        txn.staged_progress.clear()
 
 
 @dataclass
@@ -82,9 +91,13 @@ class CacheTxn:
     """One transaction's view of the ``WriteCache``: reads go through, new facts wait in ``pending``."""
 
     shared: WriteCache
+    optimistic: bool = True
+    """Whether a rank's known progress may stand in for reading it (False: the retry after
+    ``StaleProgress``)."""
     pending: list[tuple[str, Any, Any]] = field(default_factory=list)
     staged_tails: dict[tuple[int, int], RollupTail] = field(default_factory=dict)
     """Tails written earlier in this (group) transaction: visible to its later batches only."""
+    staged_progress: dict[tuple[int, int], Progress] = field(default_factory=dict)
 
     @property
     def run_pks(self) -> dict[str, int]:
@@ -100,6 +113,16 @@ class CacheTxn:
 
     def tail(self, key: tuple[int, int]) -> RollupTail | None:
         return self.staged_tails.get(key) or self.shared.tails.get(key)
+
+    def known_progress(self, key: tuple[int, int]) -> Progress | None:
+        """The rank's progress row as this process last wrote it, if it may be relied on."""
+        if not self.optimistic:
+            return None
+        return self.staged_progress.get(key) or self.shared.progress.get(key)
+
+    def wrote_progress(self, key: tuple[int, int], progress: Progress) -> None:
+        self.pending.append(("progress", key, progress))
+        self.staged_progress[key] = progress
 
 
 def upsert_insert(conn: sa.Connection) -> Callable[..., Any]:
@@ -124,7 +147,7 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime,
             loc=("body", "run_id"),
         )
     samples = batch.num_samples
-    progress = _accept(conn, run_pk, batch, now, samples)
+    progress = _accept(conn, run_pk, batch, now, samples, cache)
     if progress is None:
         return IngestResult(batch_id=batch.batch_id, duplicate=True, steps=0, samples=0, run_pk=run_pk), run_pk, None
 
@@ -148,7 +171,7 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime,
         cache.pending.append(("tails", (run_pk, batch.rank), new_tail))
         cache.staged_tails[(run_pk, batch.rank)] = new_tail
     _write_events(conn, run_pk, batch)
-    _update_progress(conn, run_pk, batch, progress, last_step, samples)
+    cache.wrote_progress((run_pk, batch.rank), _update_progress(conn, run_pk, batch, progress, last_step, samples))
     _record_agent_facts(conn, run_pk, batch, now)
     queue_row = None
     if first_step is not None and last_step is not None:
@@ -160,11 +183,22 @@ def ingest_batch(conn: sa.Connection, batch: Batch, now: datetime,
 
 
 class Progress(NamedTuple):
-    """A rank's progress as the batch found it (read under the rank's row lock)."""
+    """A rank's progress row: as the batch found it (read under the rank's row lock, ``batches``
+    counting the batch itself), or as a batch left it."""
 
     last_step: int | None
     last_segment: int
     batches: int
+
+
+STALE_PROGRESS_SQLSTATE = "F8G01"
+"""What ``fp8guard_expect`` (migration 0006) raises: the transaction wrote nothing."""
+
+
+class StaleProgress(Exception):
+    """The rank's progress was not what this process knew from its last write (another process
+    wrote the rank meanwhile, or the batch is stored already): the transaction failed and wrote
+    nothing; write the batch again with ``CacheTxn.optimistic`` off."""
 
 
 _INSERT_BATCH = ("INSERT INTO ingest_batches (run_pk, batch_id, rank, received_at, steps, samples) "
@@ -177,14 +211,28 @@ _ACCEPT_PG = (f"WITH accepted AS ({_INSERT_BATCH} RETURNING rank), "
               "FROM (SELECT 1) AS one LEFT JOIN bumped AS b ON true")
 """Both first steps in one statement (one round trip): the batch id goes in unless it is stored
 already, and only then is the rank's counter bumped, which takes its row lock until commit."""
+_ACCEPT_EXPECT_PG = (f"WITH accepted AS ({_INSERT_BATCH} RETURNING rank), "
+                     f"bumped AS ({_BUMP_RANK} AND EXISTS (SELECT 1 FROM accepted) {_PROGRESS}) "
+                     "SELECT fp8guard_expect(EXISTS (SELECT 1 FROM bumped WHERE batches = ?::bigint "
+                     "AND last_segment = ?::int AND last_step IS NOT DISTINCT FROM ?::bigint), "
+                     "'fp8guard: the rank''s progress is not what this process last wrote')")
+"""``_ACCEPT_PG`` sent without waiting for its answer: it fails the transaction unless the batch
+is new and the rank is as expected."""
 
 
-def _accept(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime, samples: int) -> Progress | None:
+def _accept(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime, samples: int,
+            cache: CacheTxn) -> Progress | None:
     """Record the batch id and lock the rank; the rank's progress, or None for a duplicate."""
     when = sql.timestamp(conn, now)
     inserted = (run_pk, batch.batch_id, batch.rank, when, len(batch.steps), samples)
     bump = (when, run_pk, batch.rank)
     if conn.dialect.name == "postgresql":
+        known = cache.known_progress((run_pk, batch.rank))
+        if known is not None:
+            expected = Progress(known.last_step, known.last_segment, known.batches + 1)
+            sql.run(conn, _ACCEPT_EXPECT_PG,
+                    (*inserted, *bump, expected.batches, expected.last_segment, expected.last_step))
+            return expected
         row = sql.fetch_one(conn, _ACCEPT_PG, (*inserted, *bump))
         assert row is not None
         if not row[0]:
@@ -391,7 +439,8 @@ def _write_events(conn: sa.Connection, run_pk: int, batch: Batch) -> None:
 
 def _update_progress(
     conn: sa.Connection, run_pk: int, batch: Batch, progress: Progress, last_step: int | None, samples: int
-) -> None:
+) -> Progress:
+    """Update the rank's progress row; what it holds after the batch."""
     newer = last_step is not None and (
         progress.last_step is None
         or batch.segment > progress.last_segment
@@ -410,6 +459,9 @@ def _update_progress(
                       "last_loss = ?, last_loss_nan = ? WHERE run_pk = ? AND rank = ?",
                 (samples, last_step, batch.segment, latest.time, None if nan else latest.loss, nan, run_pk,
                  batch.rank))
+    if newer:
+        return Progress(last_step, batch.segment, progress.batches)
+    return progress
 
 
 def _record_agent_facts(conn: sa.Connection, run_pk: int, batch: Batch, now: datetime) -> None:
