@@ -82,8 +82,8 @@ class Settings(BaseSettings):
     on the event loop, without the two thread hand-offs (``service/ingest/committer.py``); 0: off.
     Default 20,000 on both databases: a 2,000-sample batch is written in 1-2.5 ms on SQLite, and
     on PostgreSQL in one round trip once its rank is known (``store/telemetry_writer.py``). One
-    unthrottled agent on PostgreSQL sent 218-247 batches/s with it against 188-213 without, side
-    by side; 50 agents x 1/s kept p99 at 44-68 ms (34-42 without: a run's first batch, which
+    unthrottled agent on PostgreSQL sent 213-239 batches/s with it against 208-213 without, side
+    by side; 50 agents x 1/s kept p99 at 44-68 ms (34-43 without: a run's first batch, which
     reads its tensor table back, holds the event loop for its round trips) (``docs/benchmarks.md``,
     seventh session)."""
     loop_threads: int | None = Field(default=None, ge=1, le=64)

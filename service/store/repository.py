@@ -302,9 +302,9 @@ class Store:
         pending commands. If the group fails, each batch is retried in a transaction of its
         own, so one bad batch is refused alone and the others are stored.
 
-        On PostgreSQL the transaction is one pipeline: a batch waits for the server only to learn
-        whether it is new and to lock its rank, and its writes, its answer's reads and the COMMIT
-        go out together (a small batch: 4 round trips instead of 16)."""
+        On PostgreSQL the transaction is one pipeline: BEGIN, its batches' writes, their answers'
+        reads and the COMMIT go out together, one round trip for ranks this process wrote last
+        (``_store_checked``; 16 when each statement waited)."""
         now = datetime.now(UTC)
         # One lock order for every process: ranks are locked in (run, rank) order, never crosswise.
         order = sorted(range(len(batches)), key=lambda i: (batches[i].run_id, batches[i].rank))

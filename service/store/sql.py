@@ -20,8 +20,9 @@ busy host every round trip is also a wake-up of the server process and of the wa
 sends statements without waiting (psycopg's pipeline mode, the extended protocol's Sync): rows
 are read where they are needed (``fetch_one``/``fetch_all`` flush the pipeline up to their
 statement) or later (``fetch_later``), and with ``commit=True`` the COMMIT rides with the queued
-statements. Inside a pipeline only this module's statements and SQLAlchemy DML without RETURNING
-may run: SQLAlchemy reads a result's description at once, before a pipelined answer arrives.
+statements; a pipeline that opens the transaction sends its BEGIN too (``_begin_unsynced``).
+Inside a pipeline only this module's statements and SQLAlchemy DML without RETURNING may run:
+SQLAlchemy reads a result's description at once, before a pipelined answer arrives.
 """
 
 from __future__ import annotations
