@@ -17,6 +17,7 @@ import torch
 
 from fp8guard.agent.fp8 import Fp8Format, count_from_cast, count_overflow_underflow
 from fp8guard.agent.kernels import counts as kernels
+from fp8guard.agent.kernels._launch import launch_shape, triton_available
 
 ROLE = {"activation": ("fprop input (and wgrad)", "fwd"), "weight": ("fprop weight (and dgrad)", "fwd"),
         "gradient": ("dgrad/wgrad grad output", "bwd")}
@@ -155,6 +156,64 @@ def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
     out["cached_handle_in_use"] = bool(kernels._LAUNCH.fast and kernels._LAUNCH.cached)
     out["fastest"] = min(("hp", "bytes"), key=lambda v: out[v]["graph_ms"] if out[v]["graph_ms"] == out[v]["graph_ms"]
                          else out[v]["eager_ms"])
+    return out
+
+
+def legacy_count_cast_into(out: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor,
+                           fmt: Fp8Format, fp8_bytes: torch.Tensor | None = None) -> None:
+    """``count_cast_into``'s launch path before the seventh session (docs/gpu.md): the grid,
+    the constants and the handle's key derived on every launch (the same kernel, the same key)."""
+    if x.numel() == 0:
+        return
+    if not triton_available(x.device) or x.dtype not in kernels._HP_KIND or not x.is_contiguous() or (
+            fp8_bytes is not None and not fp8_bytes.is_contiguous()):
+        out.add_(kernels._torch_counts(x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes))
+        return
+    kernel = kernels._kernel()
+    rows, cols, per_sm, warps = kernels.COUNT_SHAPES["bytes" if fp8_bytes is not None else "hp"]
+    n = x.numel()
+    grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
+    q = fp8_bytes if fp8_bytes is not None else x
+    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, kernels._MAX_CODE[fmt], kernels._NONZERO_MASK[x.dtype],
+              kernels._HP_KIND[x.dtype], fp8_bytes is not None, rows, cols, iters)
+    kernels._launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
+
+
+def launch_path_ab(ops: list[Operand], passes: int = 9) -> dict[str, Any]:
+    """Host time per launch of the current launch path against :func:`legacy_count_cast_into`,
+    passes alternating in one process (the bytes variant, through the cached handle and through
+    the JIT), and whether both paths counted the same."""
+    dst = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
+    paths = {"current": kernels.count_cast_into, "legacy": legacy_count_cast_into}
+    out: dict[str, Any] = {"passes": passes}
+    for fast in (True, False):
+        kernels._LAUNCH.fast = fast
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        try:
+            for r in range(passes + 1):
+                for name in (list(paths) if r % 2 else list(paths)[::-1]):
+                    fn = paths[name]
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for i, op in enumerate(ops):
+                        fn(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+                    t = time.perf_counter() - t0
+                    if r:  # the first pass fills the caches
+                        times[name].append(t / len(ops) * 1e6)
+            torch.cuda.synchronize()
+        finally:
+            kernels._LAUNCH.fast = True
+        label = "cached_handle" if fast else "jit"
+        for name, v in times.items():
+            v.sort()
+            out[f"host_us_per_launch_{label}_{name}"] = round(v[len(v) // 2], 2)
+            out[f"host_us_per_launch_{label}_{name}_min_max"] = [round(v[0], 2), round(v[-1], 2)]
+    a = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
+    b = torch.zeros_like(a)
+    for i, op in enumerate(ops):
+        kernels.count_cast_into(a[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+        legacy_count_cast_into(b[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+    out["same_counts"] = bool(torch.equal(a, b))
     return out
 
 

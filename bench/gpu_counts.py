@@ -4,6 +4,8 @@ both kernel variants checked against TE's own statistics, operand by operand, th
     python bench/gpu_counts.py verify --out DIR [--recipe current]   # exits 1 on any disagreement
     python bench/gpu_counts.py time --out DIR       # overhead every step / every 10th step
     python bench/gpu_counts.py kernels --out DIR    # the kernels alone on the model's 144 shapes (no TE)
+    python bench/gpu_counts.py profile --out DIR    # a counted step under torch.profiler and cProfile
+    python bench/gpu_counts.py parts --out DIR      # a counted step's parts in real time (no profiler)
 
 Model: ``bench/_te_model.py`` (the 604M-parameter TE model of ``../shared/gpu/te_baseline.py``).
 Counting goes through ``TESource(exact_counts="inspect")``: TE's tensor-inspection API hands
@@ -33,6 +35,15 @@ copied as TE hands them over and both variants are compared on them (named disag
 timed eagerly and from a CUDA graph, with the bytes each reads and the host time per launch
 through Triton's JIT dispatch and through the cached compiled-kernel handle
 (bench/_count_probe.py).
+
+``profile`` runs plain FP8, the Monitor with counting off, TE's debug path alone and counting
+every step, a few steps each under torch.profiler (GPU busy time, kernels by name, what the debug
+path adds) and cProfile (host time per function and per package). ``parts`` times, without a
+profiler, TE's debug quantizers (construction and ``quantize``), nvdlfw-inspect's dispatch and
+message logging, and fp8guard's feature and launches, in rounds that interleave plain FP8, the
+debug path alone, counting, and counting through the launch path before the seventh session
+(bench/_count_probe.py). ``S=256 B=1`` (bench/_te_model.py's shape variables) gives a shape
+where the GPU idles, so that the host's share shows alone.
 
 Prints one JSON line (``{"skipped": ...}`` without CUDA, TE or FP8).
 """
@@ -296,38 +307,62 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
 # -- time -------------------------------------------------------------------------------------
 
 
-def time_modes(args: argparse.Namespace) -> dict[str, Any]:
-    torch, _ = require_te("gpu_counts_time")
-    import logging
+class _Modes:
+    """The TE model with fp8guard attached, and the switch between the modes ``time`` and
+    ``profile`` compare: plain FP8 (TE's debug mode off), the Monitor with counting off, counting
+    every 10th step, counting every step, and TE's debug path alone (counting armed, fp8guard's
+    kernel skipped)."""
 
-    from transformer_engine.debug.pytorch.debug_state import TEDebugState
+    def __init__(self, args: argparse.Namespace, bench: str) -> None:
+        torch, _ = require_te(bench)
+        import logging
 
-    from fp8guard.agent import Monitor, MonitorConfig, NullTransport
-    from fp8guard.agent.sources import te_inspect
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
 
-    records = Records()
-    logging.getLogger("fp8guard").addHandler(records)
-    m = TEModel(Shape(layers=args.layers))
-    m.step()
-    torch.cuda.synchronize()
-    monitor = Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
-                      transport=NullTransport()).attach(m.model, m.opt)
-    src = monitor.sources[0]
-    monitor.set_count_interval(1)  # opens TE's debug session (fp8guard owns it)
+        from fp8guard.agent import Monitor, MonitorConfig, NullTransport
+        from fp8guard.agent.sources import te_inspect
 
-    real = te_inspect.count_cast_into
+        self.torch, self.state, self.te_inspect = torch, TEDebugState, te_inspect
+        self.records = Records()
+        logging.getLogger("fp8guard").addHandler(self.records)
+        self.m = TEModel(Shape(layers=args.layers))
+        self.m.step()
+        torch.cuda.synchronize()
+        self.monitor = Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
+                               transport=NullTransport()).attach(self.m.model, self.m.opt)
+        self.src = self.monitor.sources[0]
+        self.monitor.set_count_interval(1)  # opens TE's debug session (fp8guard owns it)
+        self.real = te_inspect.count_cast_into
+        self.mode = "plain"
 
-    def skip_kernel(out: Any, x: Any, **kw: Any) -> None:
+    @staticmethod
+    def _skip_kernel(out: Any, x: Any, **kw: Any) -> None:
         return None
 
-    def use(mode: str) -> None:
-        te_inspect.count_cast_into = skip_kernel if mode == "debug_path_only" else real
+    def use(self, mode: str) -> None:
+        self.mode = mode
+        self.te_inspect.count_cast_into = self._skip_kernel if mode == "debug_path_only" else self.real
         if mode == "plain":
-            TEDebugState.debug_enabled = False
+            self.state.debug_enabled = False
             return
-        TEDebugState.debug_enabled = True
-        monitor.set_count_interval({"agent_no_counts": 0, "counts_every_10": 10, "counts_every_step": 1,
-                                    "debug_path_only": 1}[mode])
+        self.state.debug_enabled = True
+        self.monitor.set_count_interval({"agent_no_counts": 0, "counts_every_10": 10, "counts_every_step": 1,
+                                         "debug_path_only": 1}[mode])
+
+    def step(self) -> None:
+        self.m.step(None if self.mode == "plain" else self.monitor)
+
+    def restore(self) -> None:
+        self.te_inspect.count_cast_into = self.real
+
+
+def time_modes(args: argparse.Namespace) -> dict[str, Any]:
+    modes_ = _Modes(args, "gpu_counts_time")
+    torch, m, monitor, src, records = modes_.torch, modes_.m, modes_.monitor, modes_.src, modes_.records
+    from fp8guard.agent.sources import te_inspect
+
+    def use(mode: str) -> None:
+        modes_.use(mode)
 
     modes = ["plain", "agent_no_counts", "counts_every_10", "counts_every_step", "debug_path_only"]
     for mode in modes:  # warm-up: Triton compiles its kernel variants, TE builds its debug path
@@ -357,7 +392,7 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
             per_step[mode].append((time.perf_counter() - t0) / args.block * 1e3)
     timed_s = time.perf_counter() - t_start
-    te_inspect.count_cast_into = real
+    modes_.restore()
     med = {k: statistics.median(v) for k, v in per_step.items()}
 
     # -- kernels alone: one counted step's operands, copied as TE handed them over -------------
@@ -410,6 +445,354 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- profile ----------------------------------------------------------------------------------
+
+_CATEGORIES = (
+    ("nvdlfw_inspect (debug API dispatch)", ("nvdlfw_inspect",)),
+    ("TE debug quantizer", ("transformer_engine/debug/",)),
+    ("fp8guard agent", ("fp8guard/", "/agent/")),
+    ("triton launcher", ("triton/",)),
+    ("TE modules and ops", ("transformer_engine/",)),
+    ("torch", ("torch/",)),
+)
+_KEY_FUNCTIONS = ("DebugQuantizer.__init__", "DebugQuantizer.quantize", "route_api", "_get_debug_quantizers",
+                  "no_debug_features_active", "log_message", "inspect_tensor", "InspectCounts.inspect",
+                  "count_cast_into", "_launch_count", "CompiledLaunch.__call__", "Monitor.step", "is_debug_iter",
+                  "_call_inspect_tensor_api", "get_enabled_look_at_tensors", "get_tensors_plan",
+                  "log_messages_about_plans", "save_call_details", "get_config_for_layer", "forward_backward",
+                  "backward", "_forward", "forward")
+
+
+def _category(filename: str) -> str:
+    f = filename.replace("\\", "/")
+    if f.startswith("~") or f.startswith("<"):
+        return "C builtins"
+    for name, keys in _CATEGORIES:
+        if any(k in f for k in keys):
+            return name
+    return "other"
+
+
+def _pstats_summary(prof: Any, steps: int) -> dict[str, Any]:
+    """Own time per category (per step, ms), the top functions by own and cumulative time, and
+    the cumulative time of the functions that name the debug path's parts."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    raw = st.stats  # type: ignore[attr-defined]
+    cats: dict[str, float] = {}
+    rows = []
+    key_cum: dict[str, float] = {}
+    key_calls: dict[str, int] = {}
+    builtins_by: dict[str, float] = {}
+    total = 0.0
+    for (filename, line, func), (_cc, nc, tt, ct, callers) in raw.items():
+        cat = _category(filename)
+        if cat == "C builtins" and callers:
+            # a C function's own time goes to its callers' packages (pstats keeps it per caller)
+            for (cfile, _cl, _cf), caller_stats in callers.items():
+                ccat = _category(cfile)
+                share = caller_stats[2] if isinstance(caller_stats, tuple) else 0.0
+                cats[ccat] = cats.get(ccat, 0.0) + share
+                builtins_by[ccat] = builtins_by.get(ccat, 0.0) + share
+        else:
+            cats[cat] = cats.get(cat, 0.0) + tt
+        total += tt
+        short = "/".join(filename.replace("\\", "/").split("/")[-3:])
+        qual = func
+        rows.append({"fn": f"{short}:{line}({func})", "calls": nc, "own_ms": tt, "cum_ms": ct, "cat": cat})
+        for k in _KEY_FUNCTIONS:
+            name = k.split(".")[-1]
+            cls = k.split(".")[0] if "." in k else None
+            if qual == name and (cls is None or cls.lower() in short.lower() or _defines(filename, line, cls)):
+                # recursive entries: the outermost cumulative time (pstats already folds recursion)
+                key_cum[k] = key_cum.get(k, 0.0) + ct
+                key_calls[k] = key_calls.get(k, 0) + nc
+    per = 1e3 / steps
+    top_own = sorted(rows, key=lambda r: -r["own_ms"])[:45]
+    top_cum = sorted(rows, key=lambda r: -r["cum_ms"])[:45]
+    fmt = lambda r: {**r, "own_ms": round(r["own_ms"] * per, 3), "cum_ms": round(r["cum_ms"] * per, 3),  # noqa: E731
+                     "calls": round(r["calls"] / steps, 1)}
+    return {"profiled_steps": steps, "own_ms_per_step_total": round(total * per, 2),
+            "own_ms_per_step_by_category": {k: round(v * per, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "of_which_c_functions_by_caller_category": {k: round(v * per, 2) for k, v in
+                                                        sorted(builtins_by.items(), key=lambda kv: -kv[1])},
+            "key_functions_cum_ms_per_step": {k: round(v * per, 3) for k, v in sorted(key_cum.items(), key=lambda kv: -kv[1])},
+            "key_functions_calls_per_step": {k: round(v / steps, 1) for k, v in key_calls.items()},
+            "top_own": [fmt(r) for r in top_own], "top_cum": [fmt(r) for r in top_cum]}
+
+
+_SOURCE_CACHE: dict[str, list[str]] = {}
+
+
+def _defines(filename: str, line: int, cls: str) -> bool:
+    """Whether the function at filename:line sits in class ``cls`` (the nearest class line above)."""
+    try:
+        lines = _SOURCE_CACHE.setdefault(filename, Path(filename).read_text().splitlines())
+    except OSError:
+        return False
+    for i in range(min(line, len(lines)) - 1, -1, -1):
+        text = lines[i]
+        if text.startswith("class "):
+            return text[6:].split("(")[0].split(":")[0].strip() == cls
+    return False
+
+
+def _kernel_summary(prof: Any, steps: int) -> dict[str, Any]:
+    """GPU kernels of the profiled steps: busy time (the union of kernel intervals) and the
+    kernels' total by name, per step."""
+    events = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+              and str(e.device_type).endswith("CUDA") and e.device_resource_id is not None]
+    kern = []
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        start = e.time_range.start
+        end = e.time_range.end
+        kern.append((start, end))
+        d = by_name.setdefault(e.name[:90], [0.0, 0])
+        d[0] += (end - start)
+        d[1] += 1
+    kern.sort()
+    busy = 0.0
+    cur_s = cur_e = None
+    for s_, e_ in kern:
+        if cur_e is None or s_ > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s_, e_
+        else:
+            cur_e = max(cur_e, e_)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    span = (kern[-1][1] - kern[0][0]) if kern else 0.0
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
+    return {"gpu_busy_ms_per_step": round(busy / 1e3 / steps, 2), "gpu_span_ms_per_step": round(span / 1e3 / steps, 2),
+            "kernels_per_step": round(len(kern) / steps, 1),
+            "kernel_ms_per_step_total": round(sum(v[0] for v in by_name.values()) / 1e3 / steps, 2),
+            "by_name": {k: {"ms_per_step": round(v[0] / 1e3 / steps, 3), "calls_per_step": round(v[1] / steps, 1)}
+                        for k, v in top}}
+
+
+def profile_modes(args: argparse.Namespace) -> dict[str, Any]:
+    """Where a counted step's time goes. Per mode (plain, agent_no_counts, debug_path_only,
+    counts_every_step): synchronised wall time and host enqueue time per step; torch.profiler over
+    ``--profile-steps`` steps (GPU busy time, kernels by name: what the debug path adds on the
+    GPU); cProfile over as many (host time per Python function and per package: TE's debug
+    quantizer, nvdlfw-inspect's dispatch, fp8guard, Triton's launcher, TE's modules, torch)."""
+    import cProfile
+
+    modes_ = _Modes(args, "gpu_counts_profile")
+    torch = modes_.torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    modes = ["plain", "agent_no_counts", "debug_path_only", "counts_every_step"]
+    for mode in modes:
+        modes_.use(mode)
+        for _ in range(args.warmup):
+            modes_.step()
+    torch.cuda.synchronize()
+    out: dict[str, Any] = {}
+    trace_written = None
+    for mode in modes:
+        modes_.use(mode)
+        for _ in range(args.settle):
+            modes_.step()
+        torch.cuda.synchronize()
+        wall, enqueue = [], []
+        for _ in range(args.profile_steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            modes_.step()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            enqueue.append((t1 - t0) * 1e3)
+            wall.append((t2 - t0) * 1e3)
+        # back-to-back (unsynchronised) steps, as the time bench runs them
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.profile_steps):
+            modes_.step()
+        torch.cuda.synchronize()
+        b2b = (time.perf_counter() - t0) / args.profile_steps * 1e3
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+            for _ in range(args.profile_steps):
+                modes_.step()
+            torch.cuda.synchronize()
+        kernels = _kernel_summary(tp, args.profile_steps)
+        if args.out and mode == "counts_every_step" and args.trace:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            trace_written = str(Path(args.out) / "gpu_counts_profile.trace.json")
+            tp.export_chrome_trace(trace_written)
+        del tp
+        cp = cProfile.Profile()
+        torch.cuda.synchronize()
+        cp.enable()
+        for _ in range(args.profile_steps):
+            modes_.step()
+        torch.cuda.synchronize()
+        cp.disable()
+        out[mode] = {"wall_ms_synced": [round(v, 2) for v in wall], "enqueue_ms": [round(v, 2) for v in enqueue],
+                     "wall_ms_synced_median": round(statistics.median(wall), 2),
+                     "enqueue_ms_median": round(statistics.median(enqueue), 2),
+                     "back_to_back_ms_per_step": round(b2b, 2), "gpu": kernels,
+                     "host": _pstats_summary(cp, args.profile_steps)}
+        print(json.dumps({"mode": mode, "wall": out[mode]["wall_ms_synced_median"],
+                          "enqueue": out[mode]["enqueue_ms_median"], "b2b": out[mode]["back_to_back_ms_per_step"],
+                          "gpu_busy": kernels["gpu_busy_ms_per_step"],
+                          "cats": out[mode]["host"]["own_ms_per_step_by_category"]}), flush=True)
+    modes_.restore()
+    # what the debug path adds on the GPU: kernels by name, counted step minus plain
+    plain_k = out["plain"]["gpu"]["by_name"]
+    added = {}
+    for mode in ("debug_path_only", "counts_every_step"):
+        diff = {}
+        for k, v in out[mode]["gpu"]["by_name"].items():
+            d = v["ms_per_step"] - plain_k.get(k, {}).get("ms_per_step", 0.0)
+            if abs(d) >= 0.05:
+                diff[k] = round(d, 3)
+        added[mode] = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
+    modes_.monitor.close()
+    shape = Shape(layers=args.layers)
+    return {"bench": "gpu_counts_profile", "device": modes_.torch.cuda.get_device_name(), "params_M": modes_.m.params_m,
+            "shape": {"layers": shape.layers, "hidden": shape.hidden, "seq": shape.seq, "batch": shape.batch},
+            "profile_steps": args.profile_steps, "modes": out, "gpu_kernels_added_vs_plain_ms_per_step": added,
+            "trace": trace_written, "agent_log": modes_.records.messages[:10],
+            "monitor_broken": bool(modes_.monitor._broken)}
+
+
+class _Timers:
+    """Inclusive wall-clock time per wrapped function (perf_counter around each call)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._restore: list[tuple[Any, str, Any]] = []
+
+    def timed(self, label: str, fn: Any) -> Any:
+        total, calls = self.total, self.calls
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                total[label] = total.get(label, 0.0) + time.perf_counter() - t0
+                calls[label] = calls.get(label, 0) + 1
+
+        return wrapper
+
+    def wrap(self, owner: Any, attr: str, label: str) -> None:
+        real = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        self._restore.append((owner, attr, real))
+        setattr(owner, attr, self.timed(label, real))
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.total)
+
+    def restore(self) -> None:
+        for owner, attr, real in reversed(self._restore):
+            setattr(owner, attr, real)
+        self._restore.clear()
+
+
+def parts(args: argparse.Namespace) -> dict[str, Any]:
+    """Real (wall-clock) host time per step of each part of a counted step, with no profiler:
+    TE's debug quantizers (construction: the plan queries; quantize: the cast and the inspection
+    calls), nvdlfw-inspect's dispatch (``route_api``, features included), its message logging,
+    and fp8guard's feature and launches; rounds interleave plain FP8, TE's debug path alone,
+    counting with this session's launch path and with the one before it (same kernel, same key)."""
+    modes_ = _Modes(args, "gpu_counts_parts")  # skips without CUDA, TE or FP8
+    import nvdlfw_inspect.api as debug_api
+    from nvdlfw_inspect.base import BaseNamespaceAPI
+    from transformer_engine.debug.pytorch.debug_quantization import DebugQuantizer
+
+    from fp8guard.agent.kernels import counts as kcounts
+
+    torch, te_inspect = modes_.torch, modes_.te_inspect
+    counter = modes_.src._inspect
+    timers = _Timers()
+    from bench._count_probe import legacy_count_cast_into
+
+    new_count, legacy_count = modes_.real, legacy_count_cast_into
+    timed_new = timers.timed("fp8guard count_cast_into (launch)", new_count)
+    timed_legacy = timers.timed("fp8guard count_cast_into (launch)", legacy_count)
+
+    def use(mode: str) -> None:
+        if mode.startswith("counts_every_step"):
+            modes_.use("counts_every_step")
+            legacy = mode.endswith("legacy")
+            te_inspect.count_cast_into = timed_legacy if legacy else timed_new
+            if legacy:
+                counter._row = lambda i: counter.counts[i]  # HEAD's inspect indexed the buffer per call
+            else:
+                counter.__dict__.pop("_row", None)
+        else:
+            modes_.use(mode)
+            counter.__dict__.pop("_row", None)
+
+    modes = ["plain", "debug_path_only", "counts_every_step", "counts_every_step_legacy"]
+    for mode in modes:
+        use(mode)
+        for _ in range(args.warmup):
+            modes_.step()
+    torch.cuda.synchronize()
+    cached_before = kcounts._LAUNCH.cached
+    timers.wrap(DebugQuantizer, "__init__", "TE DebugQuantizer.__init__ (plan queries)")
+    timers.wrap(DebugQuantizer, "quantize", "TE DebugQuantizer.quantize (cast + inspection calls)")
+    timers.wrap(DebugQuantizer, "_call_inspect_tensor_api", "TE DebugQuantizer._call_inspect_tensor_api")
+    timers.wrap(BaseNamespaceAPI, "route_api", "nvdlfw route_api (dispatch, features included)")
+    timers.wrap(debug_api, "log_message", "nvdlfw log_message")
+    timers.wrap(counter, "inspect", "fp8guard InspectCounts.inspect (feature, launch included)")
+    per: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    t_start = time.perf_counter()
+    for r in range(args.rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        if r % 2:
+            order = order[::-1]
+        for mode in order:
+            use(mode)
+            for _ in range(args.settle):
+                modes_.step()
+            for _ in range(args.block):
+                torch.cuda.synchronize()
+                before = timers.snapshot()
+                t0 = time.perf_counter()
+                modes_.step()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                after = timers.snapshot()
+                row = per[mode]
+                row.setdefault("wall_ms_synced", []).append((t2 - t0) * 1e3)
+                row.setdefault("enqueue_ms", []).append((t1 - t0) * 1e3)
+                for k in after:
+                    row.setdefault(k, []).append((after[k] - before.get(k, 0.0)) * 1e3)
+        if time.perf_counter() - t_start > args.budget_s:
+            break
+    timers.restore()
+    use("plain")
+    modes_.restore()
+    counter.__dict__.pop("_row", None)
+    calls_per_step = {k: v / max(1, sum(len(x.get("wall_ms_synced", [])) for x in per.values()))
+                      for k, v in timers.calls.items()}
+    summary = {m: {k: round(statistics.median(v), 3) for k, v in row.items()} for m, row in per.items()}
+    spread = {m: {k: [round(min(v), 2), round(max(v), 2)] for k, v in row.items() if k in ("wall_ms_synced", "enqueue_ms")}
+              for m, row in per.items()}
+    modes_.monitor.close()
+    shape = Shape(layers=args.layers)
+    return {"bench": "gpu_counts_parts", "device": torch.cuda.get_device_name(), "params_M": modes_.m.params_m,
+            "shape": {"layers": shape.layers, "hidden": shape.hidden, "seq": shape.seq, "batch": shape.batch},
+            "rounds_done": r + 1, "block": args.block, "steps_per_mode": {m: len(row.get("wall_ms_synced", []))
+                                                                         for m, row in per.items()},
+            "median_ms_per_step": summary, "min_max_ms": spread,
+            "calls_per_step_all_modes_mean": {k: round(v, 1) for k, v in calls_per_step.items()},
+            "compiled_handles_before_after": [cached_before, kcounts._LAUNCH.cached],
+            "seconds": round(time.perf_counter() - t_start, 1), "agent_log": modes_.records.messages[:10],
+            "monitor_broken": bool(modes_.monitor._broken)}
+
+
 # -- kernels ----------------------------------------------------------------------------------
 
 
@@ -423,7 +806,7 @@ def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
         skip("gpu_counts_kernels", f"torch not importable: {exc}")
     if not torch.cuda.is_available():
         skip("gpu_counts_kernels", "needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from bench._count_probe import compare, sweep, synthetic_operands, timing
+    from bench._count_probe import compare, launch_path_ab, sweep, synthetic_operands, timing
     from fp8guard.agent.kernels import triton_available
 
     if not triton_available(torch.device("cuda")):
@@ -432,14 +815,14 @@ def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
     ops = synthetic_operands(layers=args.layers)
     cmp = compare(ops)
     result = {"bench": "gpu_counts_kernels", "device": torch.cuda.get_device_name(), "ok": cmp["agree"],
-              "compare": cmp, **timing(ops), "sweep": sweep(ops)}
+              "compare": cmp, **timing(ops), "launch_path_ab": launch_path_ab(ops), "sweep": sweep(ops)}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["verify", "time", "kernels"])
+    parser.add_argument("what", choices=["verify", "time", "kernels", "profile", "parts"])
     parser.add_argument("--recipe", choices=["delayed", "current"], default="delayed",
                         help="verify: DelayedScaling or Float8CurrentScaling (HYBRID)")
     parser.add_argument("--layers", type=int, default=12)
@@ -448,6 +831,10 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--settle", type=int, default=2, help="time: untimed steps after each mode switch")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profile: steps per mode per profiler")
+    parser.add_argument("--trace", action="store_true", help="profile: write the counted steps' chrome trace")
+    parser.add_argument("--tag", default="", help="profile, parts: suffix of the result file's name")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="parts: stop starting rounds after this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.what == "verify":
@@ -456,6 +843,12 @@ def main() -> None:
     elif args.what == "kernels":
         result = kernel_sweep(args)
         _write(args.out, "gpu_counts_kernels.json", result)
+    elif args.what == "parts":
+        result = parts(args)
+        _write(args.out, f"gpu_counts_parts{args.tag}.json", result)
+    elif args.what == "profile":
+        result = profile_modes(args)
+        _write(args.out, f"gpu_counts_profile{args.tag}.json", result)
     else:
         result = time_modes(args)
         _write(args.out, "gpu_counts_time.json", result)

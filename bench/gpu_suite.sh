@@ -2,6 +2,7 @@
 # The GPU measurements of docs/gpu.md, on the device host, after TE was staged there
 # (bash .te/kit/install-te.sh). From the repository root:
 #   bash bench/gpu_suite.sh counts     # exact counts: checked against TE, then timed
+#   bash bench/gpu_suite.sh counts-profile  # where a counted step's time goes (profilers, then real-time parts)
 #   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
 #   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
@@ -41,6 +42,9 @@ for what in "$@"; do
       part counts_verify_current 240 python3 bench/gpu_counts.py verify --recipe current --out "$OUT"
       part counts_kernels 240 python3 bench/gpu_counts.py kernels --out "$OUT"
       part counts_time 300 python3 bench/gpu_counts.py time --out "$OUT" ;;
+    counts-profile)
+      part counts_profile 150 python3 bench/gpu_counts.py profile --out "$OUT"
+      part counts_parts 130 python3 bench/gpu_counts.py parts --rounds 8 --block 4 --settle 1 --budget-s 80 --out "$OUT" ;;
     counts-kernels)
       part counts_kernels 240 python3 bench/gpu_counts.py kernels --out "$OUT" ;;
     overhead)

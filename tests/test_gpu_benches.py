@@ -26,7 +26,8 @@ def _run(*args: str, timeout: int = 600) -> dict:  # type: ignore[type-arg]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benches would run for real")
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [["bench/gpu_counts.py", "verify"], ["bench/gpu_counts.py", "time"],
-                                    ["bench/gpu_counts.py", "kernels"],
+                                    ["bench/gpu_counts.py", "kernels"], ["bench/gpu_counts.py", "profile"],
+                                    ["bench/gpu_counts.py", "parts"],
                                     ["bench/gpu_overhead.py"], ["bench/gpu_heal.py"], ["bench/gpu_dist.py"],
                                     ["bench/gpu_torchao.py"]])
 def test_gpu_benches_skip_cleanly_without_a_gpu(script: list[str]) -> None:

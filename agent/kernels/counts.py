@@ -18,7 +18,7 @@ Nothing here synchronises with the host: results accumulate into a device buffer
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -168,12 +168,17 @@ def count_cast_into(
 
     ``backend``: ``auto`` (Triton where available), ``triton`` or ``torch``. Enqueues only.
     """
-    if x.numel() == 0:
+    n = x.numel()
+    if n == 0:
         return
-    if fp8_bytes is not None and (fp8_bytes.numel() != x.numel() or fp8_bytes.element_size() != 1):
+    if fp8_bytes is not None and (fp8_bytes.numel() != n or fp8_bytes.element_size() != 1):
         raise ValueError(f"fp8_bytes has {fp8_bytes.numel()} elements of {fp8_bytes.element_size()} bytes, "
-                         f"the tensor {x.numel()} (one byte each expected)")
-    use_triton = backend == "triton" or (backend == "auto" and triton_available(x.device))
+                         f"the tensor {n} (one byte each expected)")
+    if backend == "auto":
+        # x.is_cuda first: the common case without building a torch.device
+        use_triton = (triton_modules() is not None) if x.is_cuda else triton_available(x.device)
+    else:
+        use_triton = backend == "triton"
     if not use_triton or x.dtype not in _HP_KIND or not x.is_contiguous() or (
             fp8_bytes is not None and not fp8_bytes.is_contiguous()):
         out.add_(_torch_counts(x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes))
@@ -181,15 +186,64 @@ def count_cast_into(
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("backend='triton' but Triton cannot be imported")
-    rows, cols, per_sm, warps = COUNT_SHAPES["bytes" if fp8_bytes is not None else "hp"]
-    n = x.numel()
+    from_bytes = fp8_bytes is not None
+    q = fp8_bytes if fp8_bytes is not None else x
+    if x.is_cuda:
+        plan = _plan(n, x.dtype, fmt, from_bytes, x.get_device())
+        _launch_planned(kernel, plan, x, q, scale, scale_inv, out, n)
+        return
+    rows, cols, per_sm, warps = COUNT_SHAPES["bytes" if from_bytes else "hp"]
     # Up to per_sm programs per multiprocessor (enough loads in flight to stream at memory
     # bandwidth), each looping over its tiles; two atomics per program.
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
-    q = fp8_bytes if fp8_bytes is not None else x
     consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
-              fp8_bytes is not None, rows, cols, iters)
+              from_bytes, rows, cols, iters)
     _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
+
+
+class _Plan(NamedTuple):
+    """What a launch on a CUDA tensor depends on besides the addresses: the grid, the warps, the
+    constants and the part of the compiled handle's key that only the shape decides."""
+
+    grid: int
+    warps: int
+    consts: tuple[Any, ...]
+    bits_dtype: torch.dtype
+    key: tuple[Any, ...]
+
+
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+"""Per (elements, dtype, format, variant, device) and launch shape: a step hands the same few
+dozen operand shapes to the kernel every time, so each launch looks its plan up instead of
+re-deriving the grid, the constants and the key (host time per counted step, docs/gpu.md)."""
+
+
+def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int) -> _Plan:
+    shape = COUNT_SHAPES["bytes" if from_bytes else "hp"]
+    cache_key = (n, dtype, fmt, from_bytes, device_index, shape)
+    plan = _PLANS.get(cache_key)
+    if plan is None:
+        rows, cols, per_sm, warps = shape
+        grid, iters = launch_shape(n, torch.device("cuda", device_index), rows * cols, per_sm=per_sm)
+        consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
+                  from_bytes, rows, cols, iters)
+        bits_dtype = _BITS_VIEW[dtype]
+        q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
+        # the key _launch_count builds, less the addresses' alignment (added per launch)
+        key = (consts, bits_dtype, q_size, warps, device_index, n % 16 == 0, n == 1, n >= 2**31)
+        plan = _PLANS[cache_key] = _Plan(grid, warps, consts, bits_dtype, key)
+    return plan
+
+
+def _launch_planned(kernel: Any, plan: _Plan, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    scale_inv: torch.Tensor, out: torch.Tensor, n: int) -> None:
+    """:func:`_launch_count` for a CUDA tensor with its plan: the same key, the same launch."""
+    key = (plan.key[0], plan.key[1], plan.key[2], plan.key[3], plan.key[4],
+           (x.data_ptr() % 16 == 0, q.data_ptr() % 16 == 0, scale.data_ptr() % 16 == 0,
+            scale_inv.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0), *plan.key[5:])
+    grid, warps, consts, bits_dtype = plan.grid, plan.warps, plan.consts, plan.bits_dtype
+    _LAUNCH(grid, (x, q, scale, scale_inv, out, n), consts,
+            lambda: _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype), key=key)
 
 
 def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

@@ -104,6 +104,8 @@ class InspectCounts:
         """``auto``: the FP8-bytes kernel where the cast has element-for-element bytes, else the
         high-precision kernel; ``hp`` or ``bytes`` force one (a forced variant that lacks its input
         falls back to the other)."""
+        self._rows: list[torch.Tensor] = []
+        self._rows_of: torch.Tensor | None = None
 
     def enabled(self, iteration: int, layer_name: str, tensor_name: str) -> tuple[bool, int | None]:
         """(count on this iteration, next iteration TE must ask again; None: never)."""
@@ -139,11 +141,18 @@ class InspectCounts:
             # rounding each way), so a count from it would not be exact. Not counted.
             return
         use_bytes = data is not None and (scale is None or self.variant != "hp")
-        fmt = _format_of(quantized, target.fmt, quantizer)
-        count_cast_into(self.counts[target.index], tensor.detach(),
-                        scale=scale if scale is not None else scale_inv, scale_inv=scale_inv, fmt=fmt,
-                        fp8_bytes=data if use_bytes else None)
+        count_cast_into(self._row(target.index), tensor.detach(),
+                        scale=scale if scale is not None else scale_inv, scale_inv=scale_inv,
+                        fmt=_format_of(quantized, target.fmt, quantizer), fp8_bytes=data if use_bytes else None)
         self.calls += 1
+
+    def _row(self, index: int) -> torch.Tensor:
+        """``counts[index]``: the views are made once per count buffer (a step indexes the buffer
+        once per operand: 144 views per counted step of the 604M model)."""
+        if self._rows_of is not self.counts:
+            self._rows = list(self.counts.unbind(0))
+            self._rows_of = self.counts
+        return self._rows[index]
 
 
 def _format_of(quantized: Any, default: Fp8Format, quantizer: Any = None) -> Fp8Format:

@@ -116,3 +116,36 @@ def test_history_gather_through_the_handle_equals_the_jit() -> None:
         assert torch.equal(outs[0].nan_to_num(-1.0), outs[1].nan_to_num(-1.0)), step
         history.mul_(1.5)
     assert gathers[0]._launch.fast and gathers[0]._launch.cached == 2  # one handle per alignment
+
+
+@gpu
+def test_counts_through_the_plan_equal_the_jit_at_each_alignment() -> None:
+    """The count kernel's planned launch (a plan per operand shape, the key's alignment per
+    launch) against every launch through Triton's JIT, on the same casts at two alignments."""
+    from fp8guard.agent.fp8 import Fp8Format, count_from_cast, quantize
+    from fp8guard.agent.kernels import counts
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    base = torch.randn(70_000 + 8, generator=g, device="cuda") * 300
+    results = {}
+    for fast in (True, False):
+        counts._LAUNCH.fast = fast
+        try:
+            got = []
+            for offset in (0, 1, 0, 1):  # bf16 elements: 0 or 2 bytes off a 16-byte boundary
+                x = base.to(torch.bfloat16)[offset:offset + 70_000]
+                for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
+                    scale = torch.tensor([fmt.fp8_max / 200.0], device="cuda")
+                    q = quantize(x, scale, fmt).view(torch.uint8)
+                    for fp8_bytes in (q, None):
+                        out = torch.zeros(2, dtype=torch.int64, device="cuda")
+                        counts.count_cast_into(out, x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt,
+                                               fp8_bytes=fp8_bytes)
+                        got.append(out.tolist())
+                        want = count_from_cast(x, q, torch.reciprocal(scale).reshape(()), fmt).tolist()
+                        assert out.tolist() == want, (fast, offset, fmt, fp8_bytes is None)
+            results[fast] = got
+        finally:
+            counts._LAUNCH.fast = True
+    assert results[True] == results[False]
+    assert counts._PLANS and counts._LAUNCH.cached >= 2

@@ -164,3 +164,22 @@ def test_format_from_the_quantizer_before_the_cast_tensor_and_the_default() -> N
         is Fp8Format.E4M3
     assert te_inspect._format_of(SimpleNamespace(_fp8_dtype="DType.kFloat8E5M2"), Fp8Format.E4M3) is Fp8Format.E5M2
     assert te_inspect._format_of(bare, Fp8Format.E5M2, None) is Fp8Format.E5M2
+
+
+def test_counts_go_to_views_of_the_current_buffer() -> None:
+    """The per-operand rows are views made once per count buffer: counts land in the buffer the
+    source reads, also after the buffer is replaced."""
+    c = _counter()
+    c.armed = True
+    x = torch.tensor([0.0, 1e-9, 1000.0, 1.0]).bfloat16()
+    quantized = _cast(x, 1.0, Fp8Format.E4M3)
+    quantizer = SimpleNamespace(scale=torch.tensor([1.0]))
+    c.inspect("layer0.qkv", "activation", x, quantized, quantizer)
+    first = c.counts
+    assert first[0].tolist() == count_overflow_underflow(x, 1.0, Fp8Format.E4M3).tolist() != [0, 0]
+    first.zero_()  # the source zeroes in place after a read: the views still point into it
+    c.inspect("layer0.qkv", "activation", x, quantized, quantizer)
+    assert first[0].tolist() == count_overflow_underflow(x, 1.0, Fp8Format.E4M3).tolist()
+    c.counts = torch.zeros(2, 2, dtype=torch.int64)
+    c.inspect("layer0.mlp.fc2", "gradient", x, quantized, quantizer)
+    assert c.counts[1].sum() > 0 and c.counts[0].sum() == 0 and first[1].sum() == 0
