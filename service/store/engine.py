@@ -112,8 +112,13 @@ class _Liveness:
         if dbapi_conn is not None:
             record.info[_IDLE_SINCE] = time.monotonic()
             # A transaction begun in a pipeline (``sql.pipeline``) switched the connection to
-            # autocommit; the pool's reset has ended it by now: switch back.
-            sql.end_unsynced(dbapi_conn, discard=True)
+            # autocommit; the pool's reset has ended it by now: switch back. A connection that
+            # cannot be brought back is not handed out again (the pool reconnects it).
+            try:
+                sql.end_unsynced(dbapi_conn, discard=True)
+            except Exception as exc:
+                log.warning("closing a pooled connection left in autocommit: %s", exc)
+                record.invalidate(exc)
 
     def checkout(self, dbapi_conn: Any, record: Any, proxy: Any) -> None:
         since = record.info.get(_IDLE_SINCE)

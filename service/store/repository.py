@@ -45,6 +45,7 @@ from fp8guard.service.store.loop_state import LoopTxn
 from fp8guard.service.store.models import SqlLoopQueue, SqlRun
 from fp8guard.service.store.series_reader import Window
 from fp8guard.service.store.sqlite_lock import DatabaseBusy, WriteTurn, take_sqlite_lock
+from fp8guard.service.store.write_cache import CacheTxn, WriteCache
 
 __all__ = ["DatabaseBusy", "Store", "Window", "WriteTurn"]
 
@@ -67,7 +68,7 @@ class Store:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._cache = writer.WriteCache()
+        self._cache = WriteCache()
         self.on_database_error: list[Callable[[BaseException], None]] = []
         """Called with each driver (DB-API) error a transaction of this store raised (the metrics)."""
         self._write_lock: threading.Lock | None = threading.Lock() if engine.dialect.name == "sqlite" else None
@@ -336,14 +337,14 @@ class Store:
         self._cache.publish(txn)
         return results
 
-    def _store_group(self, batches: Sequence[Batch], now: datetime, txn: writer.CacheTxn) -> list[IngestResult]:
+    def _store_group(self, batches: Sequence[Batch], now: datetime, txn: CacheTxn) -> list[IngestResult]:
         """Write ``batches`` in one transaction and commit; their results once committed."""
         with self._connection(write=True) as conn, sql.pipeline(conn, commit=True):
             stored = [self._write(conn, batch, now, txn) for batch in batches]
         return [done() for done in stored]
 
     def _write(self, conn: sa.Connection, batch: Batch, now: datetime,
-               txn: writer.CacheTxn) -> Callable[[], IngestResult]:
+               txn: CacheTxn) -> Callable[[], IngestResult]:
         result, run_pk, queue_row = writer.ingest_batch(conn, batch, now, txn)
         commands = records.pending_commands_later(conn, run_pk)
 
