@@ -59,11 +59,13 @@ def take_sqlite_lock(unit: Session | sa.Connection, *, at_once: bool, turn: Writ
         while turn.shared.value and time.monotonic() < defer_until:
             time.sleep(SQLITE_LOCK_POLL_S / 2)
     announced = False
+    taken = False
     try:
         cursor.execute("PRAGMA busy_timeout=0")
         while True:
             try:
                 cursor.execute(_LOCK_STATEMENT)
+                taken = True
                 return
             except Exception as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
@@ -80,8 +82,14 @@ def take_sqlite_lock(unit: Session | sa.Connection, *, at_once: bool, turn: Writ
     finally:
         if announced and turn is not None:
             turn.shared.value = 0
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.close()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.close()
+        except Exception:
+            if taken:
+                raise  # the lock is held on a connection that would no longer wait for SQLite's locks
+            # else the connection broke while taking the lock: that error, the one raised
+            # above, is what the caller reports (a second error here would hide it)
 
 
 SQLITE_LOCK_POLL_S = 0.0005
