@@ -374,10 +374,7 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     host: dict[str, list[float]] = {k: [] for k in modes}
     t_start = time.perf_counter()
     for r in range(args.rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        if r % 2:
-            order = order[::-1]
-        for mode in order:
+        for mode in _round_order(modes, r):
             use(mode)
             # A cadence change makes every TE layer re-ask the debug API once (host work that a
             # run with a fixed cadence never repeats): settle untimed first.
@@ -748,10 +745,7 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
     per: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
     t_start = time.perf_counter()
     for r in range(args.rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        if r % 2:
-            order = order[::-1]
-        for mode in order:
+        for mode in _round_order(modes, r):
             use(mode)
             for _ in range(args.settle):
                 modes_.step()
@@ -818,6 +812,13 @@ def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
               "compare": cmp, **timing(ops), "launch_path_ab": launch_path_ab(ops), "sweep": sweep(ops)}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+def _round_order(modes: list[str], r: int) -> list[str]:
+    """Round ``r``'s order of the modes: rotated by one each round, reversed every other round,
+    so that no mode always follows the same one (its warm-up or cool-down would bias it)."""
+    order = modes[r % len(modes):] + modes[:r % len(modes)]
+    return order[::-1] if r % 2 else order
 
 
 def main() -> None:

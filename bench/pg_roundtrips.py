@@ -19,6 +19,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.load import PG_ADMIN_URL, Batches
 
 
-def _round_trips(trace: str) -> int:
+def round_trips(trace: str) -> int:
+    """Round trips in a libpq protocol trace: times the client sent, then waited for the server."""
     trips, last = 0, None
     for line in trace.splitlines():
         direction = line.split("\t", 1)[0]
@@ -36,14 +39,43 @@ def _round_trips(trace: str) -> int:
     return trips
 
 
+@contextmanager
+def traced(engine: Any) -> Iterator[list[str]]:
+    """libpq's protocol trace of every connection ``engine`` checks out inside the block; the
+    list holds the trace's text once the block is over."""
+    import sqlalchemy as sa
+    from psycopg import pq
+
+    trace = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed below
+    out: list[str] = []
+
+    def checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        dbapi_conn.pgconn.trace(trace.fileno())
+        dbapi_conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+
+    def checkin(dbapi_conn: Any, record: Any) -> None:
+        if dbapi_conn is not None:
+            dbapi_conn.pgconn.untrace()
+
+    sa.event.listen(engine, "checkout", checkout)
+    sa.event.listen(engine, "checkin", checkin)
+    try:
+        yield out
+    finally:
+        sa.event.remove(engine, "checkout", checkout)
+        sa.event.remove(engine, "checkin", checkin)
+        trace.flush()
+        trace.seek(0)
+        out.append(trace.read())
+        trace.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nan", action="store_true", help="the last batch carries a NaN loss and an inf amax")
     args = parser.parse_args()
 
     import psycopg
-    import sqlalchemy as sa
-    from psycopg import pq
 
     from fp8guard.service.alerts.config import AlertSettings
     from fp8guard.service.domain import RunSpec
@@ -62,20 +94,6 @@ def main() -> None:
         upgrade(engine)
         engine.dispose()
         store = Store.open(url)
-        trace = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed with the store below
-        tracing: list[bool] = []
-
-        def checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
-            if tracing:
-                dbapi_conn.pgconn.trace(trace.fileno())
-                dbapi_conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-
-        def checkin(dbapi_conn: Any, record: Any) -> None:
-            if dbapi_conn is not None:
-                dbapi_conn.pgconn.untrace()
-
-        sa.event.listen(store.engine, "checkout", checkout)
-        sa.event.listen(store.engine, "checkin", checkin)
         try:
             store.register_run(RunSpec(run_id="rt"))
             batches = Batches(200, 4, 10)
@@ -86,26 +104,19 @@ def main() -> None:
                 body = gzip.decompress(batches.body("rt", 10 * k, k, with_tensors=k == 0, nan_last=last and args.nan))
                 batch = _parse(body, EventLimits())
                 for stage in ("ingest", "loop"):
-                    if last:
-                        tracing.append(True)
-                        trace.seek(0)
-                        trace.truncate()
-                    cpu = time.thread_time()
-                    if stage == "ingest":
-                        result = store.ingest(batch)
-                        held[result.queue_id] = batch
-                    else:
-                        assert result.run_pk is not None
-                        store.loop_pass(result.run_pk, lambda txn: judge(txn, held.pop))
-                    if last:
+                    with traced(store.engine) if last else nullcontext([]) as trace:
+                        cpu = time.thread_time()
+                        if stage == "ingest":
+                            result = store.ingest(batch)
+                            held[result.queue_id] = batch
+                        else:
+                            assert result.run_pk is not None
+                            store.loop_pass(result.run_pk, lambda txn: judge(txn, held.pop))
                         cpu = time.thread_time() - cpu
-                        tracing.clear()
-                        trace.flush()
-                        trace.seek(0)
-                        out[stage] = {"round_trips": _round_trips(trace.read()), "cpu_ms": round(cpu * 1e3, 2)}
+                    if last:
+                        out[stage] = {"round_trips": round_trips(trace[0]), "cpu_ms": round(cpu * 1e3, 2)}
         finally:
             store.close()
-            trace.close()
     finally:
         with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

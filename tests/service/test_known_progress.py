@@ -6,15 +6,13 @@ the pipeline, which must leave no pooled connection in autocommit."""
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 import sqlalchemy as sa
 
+from bench.pg_roundtrips import round_trips, traced
 from fp8guard.service.domain import RunSpec
 from fp8guard.service.errors import Conflict
 from fp8guard.service.ingest.decode import decode_batch
@@ -146,47 +144,6 @@ def test_a_failed_ingest_leaves_no_connection_in_autocommit(store: Store) -> Non
     assert store.run("bad").summary.status != "poisoned"
 
 
-@contextmanager
-def _traced(store: Store) -> Iterator[list[str]]:
-    """libpq's protocol trace of the transactions the store runs inside the block (the list
-    holds it after the block)."""
-    from psycopg import pq
-
-    trace = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed below
-    out: list[str] = []
-
-    def checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
-        dbapi_conn.pgconn.trace(trace.fileno())
-        dbapi_conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-
-    def checkin(dbapi_conn: Any, record: Any) -> None:
-        if dbapi_conn is not None:
-            dbapi_conn.pgconn.untrace()
-
-    sa.event.listen(store.engine, "checkout", checkout)
-    sa.event.listen(store.engine, "checkin", checkin)
-    try:
-        yield out
-    finally:
-        sa.event.remove(store.engine, "checkout", checkout)
-        sa.event.remove(store.engine, "checkin", checkin)
-        trace.flush()
-        trace.seek(0)
-        out.append(trace.read())
-        trace.close()
-
-
-def _round_trips(trace: str) -> int:
-    """Times the client sent and then waited for what the server sent back."""
-    trips, last = 0, None
-    for line in trace.splitlines():
-        direction = line.split("\t", 1)[0]
-        if direction == "F" and last != "F":
-            trips += 1
-        last = direction
-    return trips
-
-
 def test_a_known_ranks_small_batch_is_one_round_trip(store: Store) -> None:
     """BEGIN, the batch's writes, its answer's reads and COMMIT go out together and wait once."""
     if store.engine.dialect.name != "postgresql":
@@ -194,7 +151,7 @@ def test_a_known_ranks_small_batch_is_one_round_trip(store: Store) -> None:
     store.register_run(RunSpec(run_id="rt"))
     store.ingest(_batch("rt", list(range(10)), first=True))
     store.ingest(_batch("rt", list(range(10, 20))))
-    with _traced(store) as trace:
+    with traced(store.engine) as trace:
         store.ingest(_batch("rt", list(range(20, 30))))
-    assert _round_trips(trace[0]) == 1, trace[0][:3000]
+    assert round_trips(trace[0]) == 1, trace[0][:3000]
     assert _rank(store, "rt").batches == 3
