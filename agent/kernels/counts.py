@@ -217,6 +217,11 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 dozen operand shapes to the kernel every time, so each launch looks its plan up instead of
 re-deriving the grid, the constants and the key (host time per counted step, docs/gpu.md)."""
 
+MAX_PLANS = 1024
+"""Plans kept at most. A run whose operands change size from step to step (sequences of varying
+length, no packing) would otherwise add one per size for as long as it trains; past this many
+the plans are dropped and rebuilt as operands come (a plan costs microseconds to make)."""
+
 
 def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int) -> _Plan:
     shape = COUNT_SHAPES["bytes" if from_bytes else "hp"]
@@ -231,6 +236,8 @@ def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_i
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
         key = (consts, bits_dtype, q_size, warps, device_index, n % 16 == 0, n == 1, n >= 2**31)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
         plan = _PLANS[cache_key] = _Plan(grid, warps, consts, bits_dtype, key)
     return plan
 

@@ -323,3 +323,17 @@ def test_the_bench_probe_names_the_operand_whose_variants_disagree() -> None:
     assert (bad["module"], bad["tensor"], bad["pass"], bad["fp8"], bad["dtype"]) == \
         ("layer0.proj", "gradient", "bwd", "e5m2", "bfloat16")
     assert bad["bytes"] == bad["te"] != bad["hp"]
+
+
+def test_count_launch_plans_stay_bounded_when_operand_sizes_keep_changing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan per operand size is reused while sizes repeat; a run whose sizes change every step
+    (varying sequence lengths) never holds more than ``MAX_PLANS`` of them."""
+    from fp8guard.agent.kernels import counts
+
+    monkeypatch.setattr(counts, "_PLANS", {})
+    monkeypatch.setattr(counts, "launch_shape", lambda n, device, block, per_sm: (1, 1))  # no GPU here
+    first = counts._plan(4096, torch.bfloat16, Fp8Format.E4M3, True, 0)
+    assert counts._plan(4096, torch.bfloat16, Fp8Format.E4M3, True, 0) is first
+    for n in range(1, 3 * counts.MAX_PLANS):
+        counts._plan(n * 16, torch.bfloat16, Fp8Format.E4M3, True, 0)
+        assert len(counts._PLANS) <= counts.MAX_PLANS
