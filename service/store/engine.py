@@ -81,7 +81,21 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     kwargs.setdefault("pool_size", 8)
     engine = sa.create_engine(url, **kwargs)
     _Liveness(engine, ping_after_idle_s).install()
+    sa.event.listen(engine, "checkin", _end_pipeline_transaction)
     return engine
+
+
+def _end_pipeline_transaction(dbapi_conn: Any, record: Any) -> None:
+    """A transaction begun in a pipeline (``sql.pipeline``) switched its connection to
+    autocommit; the pool's reset has ended it by now: switch back. A connection that cannot be
+    brought back is not handed out again (the pool reconnects it)."""
+    if dbapi_conn is None:
+        return
+    try:
+        sql.end_unsynced(dbapi_conn, discard=True)
+    except Exception as exc:
+        log.warning("closing a pooled connection left in autocommit: %s", exc)
+        record.invalidate(exc)
 
 
 PING_AFTER_IDLE_S = 2.0
@@ -111,14 +125,6 @@ class _Liveness:
     def checkin(self, dbapi_conn: Any, record: Any) -> None:
         if dbapi_conn is not None:
             record.info[_IDLE_SINCE] = time.monotonic()
-            # A transaction begun in a pipeline (``sql.pipeline``) switched the connection to
-            # autocommit; the pool's reset has ended it by now: switch back. A connection that
-            # cannot be brought back is not handed out again (the pool reconnects it).
-            try:
-                sql.end_unsynced(dbapi_conn, discard=True)
-            except Exception as exc:
-                log.warning("closing a pooled connection left in autocommit: %s", exc)
-                record.invalidate(exc)
 
     def checkout(self, dbapi_conn: Any, record: Any, proxy: Any) -> None:
         since = record.info.get(_IDLE_SINCE)

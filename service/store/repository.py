@@ -328,8 +328,8 @@ class Store:
         """``_store_group``, first against the ranks' progress as this process last wrote it (no
         wait to read it, PostgreSQL), then, if another process wrote a rank meanwhile or a batch
         is a duplicate, again reading it (``writer.StaleProgress``: the first try wrote nothing)."""
+        txn = self._cache.begin()
         try:
-            txn = self._cache.begin()
             results = self._store_group(batches, now, txn)
         except writer.StaleProgress:
             txn = self._cache.begin(optimistic=False)

@@ -32,8 +32,8 @@ class Progress(NamedTuple):
 @dataclass
 class WriteCache:
     """Facts that never change once committed (a run's primary key, a stat's id, that tensors
-    0..n-1 are defined), so every service process may cache them without coordination, and
-    roll-up tails. Each transaction learns into its own ``CacheTxn``; the store publishes it only
+    0..n-1 are defined), so every service process may cache them without coordination, and two
+    hints per (run, rank), checked where used: roll-up tails and the progress row. Each transaction learns into its own ``CacheTxn``; the store publishes it only
     after commit, so a rolled-back batch never leaves a stale entry, and several writer threads
     never see each other's uncommitted facts."""
 
