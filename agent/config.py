@@ -56,6 +56,15 @@ class MonitorConfig:
     (whose amax all-reduce makes data-parallel replicas identical) only rank 0 reports."""
     compute_grad_norm: bool = True
     """Compute the global gradient norm on the device when ``step()`` is not given one."""
+    grad_buffer: bool = False
+    """Keep the gradients as views of one flat buffer per dtype (``fp8guard.agent.grad_buffer``),
+    for a loop that zeroes them in place (``optimizer.zero_grad(set_to_none=False)``): the norm
+    is then one launch and ``monitor.step`` reads no gradient, so its host time no longer grows
+    with depth (under ``set_to_none=True`` every gradient is a new tensor each step and the
+    monitor reads them all: on the H200 that walk took 79 us at 12 layers and 385 us at 96,
+    docs/gpu.md). Parameters without a gradient then have a zero one. A loop that sets the
+    gradients to None every step makes the monitor give the buffer up after one step, with a
+    warning. One process only."""
     segment: int = 0
     """Starting segment (incremented on every rollback); restored from checkpoints."""
     spool_dir: Path | None = None

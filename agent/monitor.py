@@ -35,6 +35,7 @@ from fp8guard.agent.commands import Command, CommandHandler
 from fp8guard.agent.config import MonitorConfig
 from fp8guard.agent.distributed import rank_and_world, shared_run_id
 from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.grad_buffer import GradBuffer
 from fp8guard.agent.harm import HarmProbe, LossFn
 from fp8guard.agent.healing import HealConfig, Healer, plain_batches
 from fp8guard.agent.shipper import Shipper
@@ -133,6 +134,9 @@ class Monitor:
             raise ConfigError("scheduler must have state_dict() and load_state_dict() (an LR scheduler), or be None")
         cfg = self.config
         self.rank, self.world_size = rank_and_world()
+        if cfg.grad_buffer and self.world_size > 1:
+            raise ConfigError("grad_buffer is for one process: under torch.distributed, DDP (gradient_as_bucket_view) "
+                              "or FSDP own the gradients' layout")
         self.run_id = shared_run_id(cfg.run_id)
         self._sources = discover_sources(model, cfg.sources)
         self._steps = SourceSteps(self._sources)
@@ -152,7 +156,9 @@ class Monitor:
         # Under torch.distributed the norm feeds the tripwire's rank-shared bit, which must be
         # bit-identical on every rank: foreach always (the table kernel falls back to foreach on a
         # step where the host runs far ahead, which ranks would do at different steps).
-        self._grad_norm = GradNorm(model.parameters(), backend="foreach" if self.world_size > 1 else "auto")
+        buffer = GradBuffer(model, model.parameters()) if cfg.grad_buffer and cfg.compute_grad_norm else None
+        self._grad_norm = GradNorm(model.parameters(), backend="foreach" if self.world_size > 1 else "auto",
+                                   buffer=buffer)
         self._optimizer = optimizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._ring = StepRing(n_tensors=len(self._specs), fp8_max=[s.fp8_max for s in self._specs],
@@ -421,6 +427,8 @@ class Monitor:
         if self._listener is not None:
             self._listener.close()
         self._steps.stop_counting()
+        if self._grad_norm is not None and self._grad_norm.buffer is not None:
+            self._grad_norm.buffer.close()
 
     def __enter__(self) -> Monitor:
         return self

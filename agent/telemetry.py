@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fp8guard.agent.errors import ConfigError
+from fp8guard.agent.grad_buffer import GradBuffer
 from fp8guard.agent.kernels import TableSumOfSquares, triton_available
 from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, STATS
 
@@ -190,10 +191,14 @@ class GradNorm:
     maps too (they were a Python loop per gradient): on the H200's host each map over 1,152
     gradients took 56-93 us (``grad_walk_us`` in docs/gpu-results/gpu_host_cost.sweep.2026-12-02f.json).
     With gradients kept between steps (``set_to_none=False``) the tables are pointed once.
+
+    ``buffer``: the gradients are views of a :class:`~fp8guard.agent.grad_buffer.GradBuffer`;
+    while it holds them, the norm is one launch per buffer and the host reads no gradient (its
+    version counter says whether the views are still the gradients); once it ends, the paths above.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *,
-                 backend: Literal["auto", "foreach", "table"] = "auto") -> None:
+                 backend: Literal["auto", "foreach", "table"] = "auto", buffer: GradBuffer | None = None) -> None:
         """``backend="table"`` needs CUDA with Triton, or Triton's CPU interpreter. Its value
         differs from the foreach path in the float32 summation order (both within 1.1e-7 of a
         float64 norm on the H200); a call it cannot serve (a parameter without a gradient, a
@@ -204,6 +209,8 @@ class GradNorm:
         0.83-6.3 ms for 151M-1.2B parameters, and the 604M model's monitored step 1.0029x the
         plain one against 1.0070x with foreach, side by side."""
         self._params = [p for p in params if p.requires_grad]
+        self.buffer = buffer
+        """The gradient buffer the norm reads while it holds the gradients (None: no buffer)."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, p in enumerate(self._params):
             groups.setdefault((p.device, p.dtype), []).append(i)
@@ -237,6 +244,8 @@ class GradNorm:
 
     def __call__(self) -> torch.Tensor | None:
         """The norm as a 0-d float32 device tensor; None when no parameter has a gradient."""
+        if self.buffer is not None and self.buffer.intact():
+            return self.buffer.norm()
         if self._tables:
             grads: list[Any] = list(map(_grad, self._params))
             try:  # C-level walk; a parameter without a gradient raises here (None has no data_ptr)

@@ -72,6 +72,8 @@ class TEModel:
             for i in range(shape.layers)]).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         self.x = torch.randn(shape.seq, shape.batch, h, device=device, dtype=torch.bfloat16)
+        self.set_to_none = True
+        """How ``zero_grad`` clears the gradients (False: zeroed in place, at stable addresses)."""
         self.recipe = recipes.DelayedScaling(fp8_format=recipes.Format.HYBRID, amax_history_len=history,
                                              amax_compute_algo="max")
 
@@ -89,8 +91,11 @@ class TEModel:
         self.opt.step()
         if monitor is not None:
             monitor.step(loss)
-        self.opt.zero_grad(set_to_none=True)
+        self.zero_grad()
         return loss
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=self.set_to_none)
 
     @property
     def params_m(self) -> int:

@@ -12,6 +12,10 @@ transport=NullTransport())``, computing its own grad norm with its default (on C
 the table kernel, built once at attach) (``monitor.step(loss)`` after ``opt.step()``, before
 ``zero_grad``); no service. The TE read is its default too (one Triton gather launch).
 
+``--grads keep``: every loop (plain and monitored) zeroes the gradients in place
+(``zero_grad(set_to_none=False)``) and the monitor keeps them as views of its buffer
+(``MonitorConfig(grad_buffer=True)``); the default, ``none``, is PyTorch's ``set_to_none=True``.
+
 1. ``sweep``: for 12, 24, 48 and 96 layers (hidden 1024, sequence 1024, batch 8): attach time
    (synchronised), the device memory attach allocates and the transient peak of one
    ``monitor.step``, then the host microseconds of ``monitor.step`` in a training loop that
@@ -26,7 +30,9 @@ the table kernel, built once at attach) (``monitor.step(loss)`` after ``opt.step
    foreach grad norm), the order
    rotating every round, in one process; a block is synchronise, steps, synchronise. Ratio of
    medians and median of per-round ratios. Then ``--sync-steps`` monitored steps (each norm)
-   under ``torch.cuda.set_sync_debug_mode("error")``.
+   under ``torch.cuda.set_sync_debug_mode("error")``. With ``--grads keep``, first (before the
+   monitor attaches) what zeroing in place costs the plain loop against ``set_to_none=True``
+   (``keep_cost``), and the product of the two ratios (``ratio_vs_set_to_none_loop``).
 
 Prints one JSON summary line; writes the full result to ``--out`` (a file, or a folder that gets
 ``gpu_host_cost.json``). Without CUDA/TE/FP8 it prints a skip line and exits 0, unless
@@ -76,6 +82,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--sync-steps", type=int, default=6)
     p.add_argument("--profile-steps", type=int, default=10,
                    help="monitor.step calls under cProfile per depth (GPU idle before each; 0: none)")
+    p.add_argument("--grads", choices=("none", "keep"), default="none",
+                   help="how every loop clears the gradients: none = zero_grad(set_to_none=True), PyTorch's "
+                        "default (the monitor walks new gradients each step); keep = zero_grad(set_to_none=False) "
+                        "with MonitorConfig(grad_buffer=True) (gradients as views of one buffer)")
     p.add_argument("--parts", default="sweep,ratios", help="which parts to run: sweep, ratios or both")
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no new part after this long; ratio rounds stop 40 s later (at least 4 rounds)")
@@ -91,8 +101,9 @@ def _args() -> argparse.Namespace:
 class Env:
     """torch, the TE handles and the device: the real ones, or the CPU stand-in under ``--smoke``."""
 
-    def __init__(self, smoke: bool) -> None:
+    def __init__(self, smoke: bool, grads: str = "none") -> None:
         self.smoke = smoke
+        self.keep_grads = grads == "keep"
         self._stack = contextlib.ExitStack()
         if smoke:
             import torch
@@ -124,14 +135,16 @@ class Env:
         return int(self.torch.cuda.memory_allocated()) if self.cuda else 0
 
     def model(self, layers: int, hidden: int, seq: int, batch: int) -> TEModel:
-        return TEModel(Shape(layers=layers, hidden=hidden, seq=seq, batch=batch), te=self.te, recipes=self.recipes,
-                       device=self.device)
+        m = TEModel(Shape(layers=layers, hidden=hidden, seq=seq, batch=batch), te=self.te, recipes=self.recipes,
+                    device=self.device)
+        m.set_to_none = not self.keep_grads
+        return m
 
     def monitor(self, m: TEModel) -> Any:
         from fp8guard.agent import Monitor, MonitorConfig, NullTransport
 
-        return Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
-                       transport=NullTransport()).attach(m.model, m.opt)
+        return Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0,
+                                     grad_buffer=self.keep_grads), transport=NullTransport()).attach(m.model, m.opt)
 
     def foreach_norm(self, m: TEModel) -> Any:
         """``GradNorm(backend="foreach")``: the comparison to the monitor's default."""
@@ -189,6 +202,7 @@ def _monitor_buffers(monitor: Any, device_type: str) -> int:
                 if name not in not_ours:
                     walk(getattr(obj, name, None), depth + 1)
 
+    not_ours.add("buffer")  # the gradient buffer holds the gradients themselves: reported on its own
     for part in (monitor._ring, monitor._grad_norm, monitor._tripwire, *monitor.sources):
         walk(part, 0)
     return total
@@ -224,7 +238,7 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         monitor.step(loss)
         in_loop.append(_us_since(t0))
-        m.opt.zero_grad(set_to_none=True)
+        m.zero_grad()
     idle: list[float] = []
     norm_us: list[float] = []
     read_us: list[float] = []
@@ -252,7 +266,7 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
         src.read(buf)
         read_us.append(_us_since(t0))
         env.sync()
-        m.opt.zero_grad(set_to_none=True)
+        m.zero_grad()
     norm_gpu = _norm_gpu_probe(env, m, monitor)
     tripwire_us = _tripwire_probe(env, monitor, a.idle_steps)
     profile = _profile_step(env, m, monitor, a.profile_steps) if a.profile_steps else None
@@ -261,6 +275,7 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
     point = {
         "grad_norm_gpu": norm_gpu,
         "grad_norm_backend": monitor._grad_norm.backend, "grad_norm_repointed": monitor._grad_norm.repointed,
+        **_buffer_state(monitor),
         "te_read": "triton gather" if delayed is not None and delayed._table is not None else "torch ops",
         "layers": layers, "hidden": a.hidden, "seq": a.seq, "batch": a.batch, "params_M": m.params_m,
         "columns": len(monitor.tensors), "gradients": sum(1 for p in m.model.parameters() if p.requires_grad),
@@ -281,6 +296,16 @@ def depth_point(env: Env, a: argparse.Namespace, layers: int) -> dict[str, Any]:
     return point
 
 
+def _buffer_state(monitor: Any) -> dict[str, Any]:
+    """The gradient buffer (``--grads keep``): whether it held, its size (it replaces the gradients:
+    not the monitor's memory), the steps that walked every gradient and the times it was put back."""
+    buf = monitor._grad_norm.buffer
+    if buf is None:
+        return {"grad_buffer": None}
+    return {"grad_buffer": {"state": buf.state, "bytes": sum(b.numel() * b.element_size() for b in buf.buffers),
+                            "full_checks": buf.full_checks, "readopted": buf.readopted}}
+
+
 def _grad_walks(env: Env, m: TEModel, repeats: int = 15) -> dict[str, Any]:
     """Host microseconds of each C-level walk over the gradients that GradNorm makes per call
     (the reads) and per re-pointing (the checks), median of ``repeats``: what a per-gradient cost is
@@ -288,7 +313,7 @@ def _grad_walks(env: Env, m: TEModel, repeats: int = 15) -> dict[str, Any]:
     import operator
 
     torch = env.torch
-    m.opt.zero_grad(set_to_none=True)
+    m.zero_grad()
     m.forward_backward()
     params = [p for p in m.model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
@@ -308,7 +333,7 @@ def _grad_walks(env: Env, m: TEModel, repeats: int = 15) -> dict[str, Any]:
             walk()
             times.append(_us_since(t0))
         out[name] = round(statistics.median(times), 1)
-    m.opt.zero_grad(set_to_none=True)
+    m.zero_grad()
     return out
 
 
@@ -351,14 +376,14 @@ def _profile_step(env: Env, m: TEModel, monitor: Any, steps: int) -> dict[str, A
     held: list[Any] = [None]
 
     def body() -> None:
-        m.opt.zero_grad(set_to_none=True)
+        m.zero_grad()
         held[0] = m.forward_backward()
         m.opt.step()
         env.sync()
 
     report = profile_host(env.torch, lambda: monitor.step(held[0]), steps=steps, before=body, top=20,
                           sort="tottime")
-    m.opt.zero_grad(set_to_none=True)
+    m.zero_grad()
     return report
 
 
@@ -373,7 +398,9 @@ def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, repeats: int = 5) -> dic
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     out: dict[str, Any] = {"grad_bytes_GB": round(nbytes / 1e9, 3)}
     values: dict[str, float] = {}
-    for name, fn in ((monitor._grad_norm.backend, monitor._grad_norm), ("foreach", env.foreach_norm(m))):
+    own = monitor._grad_norm
+    own_name = "buffer" if own.buffer is not None and own.buffer.adopted else own.backend
+    for name, fn in ((own_name, own), ("foreach", env.foreach_norm(m))):
         if name in values:
             continue
         fn()  # warm-up (Triton compiles)
@@ -390,7 +417,7 @@ def _norm_gpu_probe(env: Env, m: TEModel, monitor: Any, repeats: int = 5) -> dic
         out[name] = {"ms": round(statistics.median(ms), 4), "GBps": round(nbytes / 1e6 / statistics.median(ms))}
     reference = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])))
     out["rel_diff_vs_float64"] = {k: abs(v - reference) / reference for k, v in values.items()}
-    m.opt.zero_grad(set_to_none=True)
+    m.zero_grad()
     return out
 
 
@@ -400,6 +427,7 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
     m = env.model(layers, hidden, seq, batch)
     m.step()
     env.sync()
+    keep_cost = _keep_cost(env, a, m) if env.keep_grads else None
     monitor = env.monitor(m)
     own = monitor._grad_norm
     norms = {"monitor": own, "monitor_foreach": env.foreach_norm(m) if own.backend == "table" else None}
@@ -432,7 +460,7 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
                 c0 = time.perf_counter()
                 monitor.step(loss)
                 host_us[mode].append(_us_since(c0))
-                m.opt.zero_grad(set_to_none=True)
+                m.zero_grad()
             env.sync()
             per_step[mode].append(_us_since(t0) / 1e3 / a.block)
             gc.enable()
@@ -457,8 +485,12 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
             f"{key}monitor_step_host_us_in_loop": _stats(host_us[mode]),
             f"{key}meets_target": ms / plain <= TARGET_RATIO,
         })
+    if keep_cost is not None:
+        result["keep_cost"] = keep_cost
+        result["ratio_vs_set_to_none_loop"] = round(result["ratio"] * keep_cost["ratio"], 5)
     result["sync_debug"] = _sync_check(env, m, monitor, a.sync_steps)
     result["grad_norm_backend"], result["grad_norm_repointed"] = own.backend, own.repointed
+    result.update(_buffer_state(monitor))
     if norms["monitor_foreach"] is not None:
         monitor._grad_norm = norms["monitor_foreach"]
         result["foreach_sync_debug"] = _sync_check(env, m, monitor, a.sync_steps)
@@ -468,6 +500,34 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
     del monitor, m, norms
     env.free()
     return result
+
+
+def _keep_cost(env: Env, a: argparse.Namespace, m: TEModel) -> dict[str, Any]:
+    """What keeping the gradients costs the loop itself, before any monitor: plain steps clearing
+    them with ``set_to_none=False`` (a memset, then the backward accumulates into them) against
+    ``set_to_none=True`` (the backward's gradients are taken as they are), blocks alternating in
+    one process. ``ratio_vs_set_to_none_loop`` in the result is this times the monitor's ratio:
+    the monitored loop with a buffer against the default loop without fp8guard."""
+    per_step: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(max(4, a.rounds // 2)):
+        for set_to_none in ((True, False) if r % 2 == 0 else (False, True)):
+            m.set_to_none = set_to_none
+            m.zero_grad()
+            for _ in range(a.warmup if r == 0 else 0):
+                m.step()
+            env.sync()
+            t0 = time.perf_counter()
+            for _ in range(a.block):
+                m.step()
+            env.sync()
+            per_step[set_to_none].append(_us_since(t0) / 1e3 / a.block)
+    m.set_to_none = False
+    m.zero_grad()
+    none, keep = statistics.median(per_step[True]), statistics.median(per_step[False])
+    paired = sorted(k / n for k, n in zip(per_step[False], per_step[True], strict=True))
+    return {"set_to_none_ms_per_step": round(none, 3), "keep_ms_per_step": round(keep, 3),
+            "ratio": round(keep / none, 5), "paired_ratio_median": round(statistics.median(paired), 5),
+            "rounds": len(paired)}
 
 
 def _sync_check(env: Env, m: TEModel, monitor: Any, steps: int) -> dict[str, Any] | None:
@@ -484,7 +544,7 @@ def _sync_check(env: Env, m: TEModel, monitor: Any, steps: int) -> dict[str, Any
             out["raised"] = {"at_step": i, "error": str(exc).splitlines()[0][:300],
                              "where": [f"{Path(f.filename).name}:{f.lineno} {f.name}"
                                        for f in traceback.extract_tb(exc.__traceback__)[-6:]]}
-            m.opt.zero_grad(set_to_none=True)
+            m.zero_grad()
             break
         finally:
             torch.cuda.set_sync_debug_mode(0)
@@ -513,13 +573,15 @@ def _part(result: dict[str, Any], key: str, started: float, budget_s: float,
 
 def main() -> None:
     a = _args()
-    env = Env(a.smoke)
+    env = Env(a.smoke, a.grads)
     records = Records()
     logging.getLogger("fp8guard").addHandler(records)
     started = time.perf_counter()
     result: dict[str, Any] = {"bench": BENCH, "smoke": a.smoke, **env.versions,
                               "monitor": {"sources": ["te"], "flush_interval_steps": 50, "count_interval_steps": 0,
-                                          "transport": "NullTransport", "grad_norm": "computed by the monitor"}}
+                                          "transport": "NullTransport", "grad_norm": "computed by the monitor",
+                                          "grad_buffer": env.keep_grads},
+                              "zero_grad_set_to_none": not env.keep_grads}
     try:
         parts = set(a.parts.split(","))
         depths = [int(x) for x in a.layers.split(",")] if "sweep" in parts else []
@@ -540,13 +602,14 @@ def main() -> None:
         env.close()
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["agent_log"] = records.messages[:10]
-    summary = {"bench": BENCH, "smoke": a.smoke,
+    summary = {"bench": BENCH, "smoke": a.smoke, "grads": a.grads,
                "host_us_in_loop_median_by_layers": {k: v.get("monitor_step_host_us_in_loop", {}).get("median")
                                                     for k, v in result["sweep"].items()},
                "host_us_idle_median_by_layers": {k: v.get("monitor_step_host_us_idle", {}).get("median")
                                                   for k, v in result["sweep"].items()},
                "ratios": {k: v.get("ratio", v.get("error") or v.get("skipped")) for k, v in result["ratios"].items()},
                "foreach_ratios": {k: v.get("foreach_ratio") for k, v in result["ratios"].items()},
+               "ratios_vs_set_to_none_loop": {k: v.get("ratio_vs_set_to_none_loop") for k, v in result["ratios"].items()},
                "seconds": result["seconds"]}
     if a.out:
         out = Path(a.out)

@@ -56,3 +56,20 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
         assert ("foreach_ratio" in result) == table
         assert not table or result["foreach_ratio"] > 0
     assert full["agent_log"] == []
+
+
+@pytest.mark.slow
+def test_smoke_with_gradients_kept_in_a_buffer(tmp_path: Path) -> None:
+    """``--grads keep``: every loop zeroes in place and the monitor keeps the gradients as views of
+    its buffer, which holds through the whole run (steady steps walk no gradient)."""
+    summary = _run("--smoke", "--grads", "keep", "--parts", "sweep", "--layers", "2,4",
+                   "--out", str(tmp_path / "host.json"))
+    full = json.loads((tmp_path / "host.json").read_text())
+    assert summary["grads"] == "keep" and full["zero_grad_set_to_none"] is False
+    for point in full["sweep"].values():
+        assert "error" not in point, point
+        state = point["grad_buffer"]
+        assert state["state"] == "adopted" and state["readopted"] == 0 and state["bytes"] > 0
+        # the first step, then one per change of what the bench does between norms; the timed steps none
+        assert state["full_checks"] <= 4, state
+    assert full["agent_log"] == []

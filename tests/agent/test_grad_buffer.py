@@ -1,0 +1,262 @@
+"""MonitorConfig(grad_buffer=True): the gradients as views of one buffer per dtype, read without
+walking the parameters while the loop keeps them in place, and given up (values still right)
+when it does not."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fp8guard.agent import ConfigError, Monitor, MonitorConfig, NullTransport  # noqa: E402
+from fp8guard.agent import grad_buffer as grad_buffer_module  # noqa: E402
+from fp8guard.agent import monitor as monitor_module  # noqa: E402
+from fp8guard.agent import telemetry as telemetry_module  # noqa: E402
+from fp8guard.agent.grad_buffer import GradBuffer  # noqa: E402
+from fp8guard.agent.telemetry import GradNorm  # noqa: E402
+
+
+def _model(seed: int = 0, dtypes: tuple[Any, ...] = (torch.float32,)) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i in range(6):
+        lin = torch.nn.Linear(9 + i, 10 + i)
+        layers += [lin.to(dtypes[i % len(dtypes)]), _Cast(dtypes[(i + 1) % len(dtypes)])]
+    return torch.nn.Sequential(*layers)
+
+
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype: Any) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: Any) -> Any:
+        return x.to(self.dtype)
+
+
+def _loss(model: torch.nn.Module, seed: int) -> Any:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 9, generator=gen).to(next(model.parameters()).dtype)
+    return model(x).float().pow(2).mean()
+
+
+def _reference(model: torch.nn.Module) -> float:
+    return float(torch.linalg.vector_norm(torch.stack(
+        [p.grad.double().norm() for p in model.parameters() if p.grad is not None])))
+
+
+def _views_in_place(buf: GradBuffer, model: torch.nn.Module) -> bool:
+    storages = {b.untyped_storage().data_ptr() for b in buf.buffers}
+    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages for p in model.parameters())
+
+
+class _CountingGrad:
+    """Stands in for ``attrgetter('grad')``: counts every gradient read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self, p: Any) -> Any:
+        self.reads += 1
+        return p.grad
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.bfloat16)], ids=["one", "two_dtypes"])
+def test_norm_is_right_and_steady_steps_read_no_gradient(dtypes: tuple[Any, ...], monkeypatch: Any) -> None:
+    counting = _CountingGrad()
+    monkeypatch.setattr(grad_buffer_module, "_grad", counting)
+    monkeypatch.setattr(telemetry_module, "_grad", counting)
+    model = _model(dtypes=dtypes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    buf = GradBuffer(model, model.parameters())
+    norm = GradNorm(model.parameters(), buffer=buf)
+    assert len(buf.buffers) == len(dtypes)
+    reads = []
+    for step in range(8):
+        opt.zero_grad(set_to_none=False)
+        _loss(model, step).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        before = counting.reads
+        got = norm()
+        reads.append(counting.reads - before)
+        assert got is not None and got.dtype == torch.float32
+        assert float(got) == pytest.approx(_reference(model), rel=1e-5 if len(dtypes) == 1 else 1e-2)
+        opt.step()
+    assert buf.adopted and _views_in_place(buf, model)
+    assert buf.full_checks == 1  # the first step learns the loop's version bump
+    assert reads[0] == len(list(model.parameters())) and reads[1:] == [0] * 7
+
+
+def test_the_norm_asked_twice_in_a_step_walks_nothing_more() -> None:
+    model = _model()
+    opt, buf, norm = _steady(model)
+    for step in range(3, 7):
+        opt.zero_grad(set_to_none=False)
+        _loss(model, step).backward()
+        first, second = norm(), norm()
+        assert torch.equal(first, second)
+        opt.step()
+    assert buf.full_checks == 1 and buf.adopted
+
+
+def test_views_are_aligned_and_training_is_unchanged() -> None:
+    def train(buffered: bool) -> list[Any]:
+        model = _model(seed=4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(3):  # gradients exist before attach: they are copied into the buffer
+            opt.zero_grad(set_to_none=False)
+            _loss(model, step).backward()
+            if step < 2:
+                opt.step()
+        monitor = Monitor(MonitorConfig(grad_buffer=buffered, flush_interval_steps=1000, harm_interval_steps=0),
+                          transport=NullTransport()).attach(model, opt)
+        buf = monitor._grad_norm.buffer if monitor._grad_norm is not None else None
+        assert (buf is not None) == buffered
+        if buf is not None:
+            base = buf.buffers[0].data_ptr()  # the allocator's own alignment: 64 bytes on a CPU, 512 on CUDA
+            assert all((p.grad.data_ptr() - base) % 256 == 0 for p in model.parameters())
+        opt.step()
+        for step in range(3, 9):
+            opt.zero_grad(set_to_none=False)
+            loss = _loss(model, step)
+            loss.backward()
+            monitor.step(loss)
+            opt.step()
+        if buf is not None:
+            assert buf.adopted and _views_in_place(buf, model)
+        monitor.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(False), train(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def _steady(model: torch.nn.Module) -> tuple[Any, GradBuffer, GradNorm]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    buf = GradBuffer(model, model.parameters())
+    norm = GradNorm(model.parameters(), buffer=buf)
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        _loss(model, step).backward()
+        norm()
+        opt.step()
+    assert buf.full_checks == 1
+    return opt, buf, norm
+
+
+@pytest.mark.parametrize("which", ["all", "first", "last"])
+def test_replaced_gradients_end_the_buffer_at_once_and_the_norm_stays_right(which: str, caplog: Any) -> None:
+    model = _model()
+    opt, buf, norm = _steady(model)
+    opt.zero_grad(set_to_none=False)
+    _loss(model, 3).backward()
+    params = list(model.parameters())
+    for p in {"all": params, "first": params[:1], "last": params[-1:]}[which]:
+        p.grad = p.grad * 3  # new tensors: the buffer's views go stale
+    with caplog.at_level(logging.WARNING, logger="fp8guard.agent"):
+        got = norm()
+    assert float(got) == pytest.approx(_reference(model), rel=1e-5)
+    assert buf.state.startswith("ended: a gradient is no longer") and "gradient buffer given up" in caplog.text
+    assert not model._forward_pre_hooks  # the hook left with it
+
+
+def test_a_middle_gradient_replaced_after_the_writes_is_found_one_step_later() -> None:
+    """The documented blind spot: the version bump of that step is the usual one."""
+    model = _model()
+    opt, buf, norm = _steady(model)
+    opt.zero_grad(set_to_none=False)
+    _loss(model, 3).backward()
+    p = list(model.parameters())[3]
+    as_backward_left_it = _reference(model)
+    p.grad = p.grad * 3
+    assert float(norm()) == pytest.approx(as_backward_left_it, rel=1e-5) and buf.adopted
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    _loss(model, 4).backward()
+    assert float(norm()) == pytest.approx(_reference(model), rel=1e-5)
+    assert buf.state.startswith("ended: a gradient is no longer")
+
+
+def test_gradients_set_to_none_once_come_back_as_views() -> None:
+    """What fp8guard's rollback does (the abandoned step's optimizer.step must skip)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    buf = GradBuffer(model, model.parameters())
+    norm = GradNorm(model.parameters(), buffer=buf)
+    for step in range(12):
+        if step == 5:
+            model.zero_grad(set_to_none=True)
+            snapshot = [p.detach().clone() for p in model.parameters()]
+            opt.step()  # every gradient None: nothing moves
+            assert all(torch.equal(a, p) for a, p in zip(snapshot, model.parameters(), strict=True))
+        else:
+            opt.zero_grad(set_to_none=False)
+        _loss(model, step).backward()
+        assert float(norm()) == pytest.approx(_reference(model), rel=1e-5)
+        opt.step()
+    assert buf.adopted and buf.readopted == 1 and _views_in_place(buf, model)
+
+
+def test_a_loop_that_sets_gradients_to_none_every_step_ends_it(caplog: Any) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = Monitor(MonitorConfig(grad_buffer=True, flush_interval_steps=1000, harm_interval_steps=0),
+                      transport=NullTransport()).attach(model, opt)
+    assert monitor._grad_norm is not None and monitor._grad_norm.buffer is not None
+    buf = monitor._grad_norm.buffer
+    with caplog.at_level(logging.WARNING, logger="fp8guard.agent"):
+        for step in range(5):
+            opt.zero_grad()  # set_to_none=True
+            loss = _loss(model, step)
+            loss.backward()
+            assert float(monitor.grad_norm()) == pytest.approx(_reference(model), rel=1e-5)
+            monitor.step(loss)
+            opt.step()
+    assert buf.state.startswith("ended: the gradients are set to None every step") and buf.readopted == 1
+    assert caplog.text.count("gradient buffer given up") == 1
+    monitor.close()
+
+
+def test_non_finite_gradients_are_data() -> None:
+    model = _model()
+    buf = GradBuffer(model, model.parameters())
+    norm = GradNorm(model.parameters(), buffer=buf)
+    _loss(model, 0).backward()
+    norm()
+    with torch.no_grad():
+        list(model.parameters())[2].grad[0, 0] = float("nan")
+    assert torch.isnan(norm())
+
+
+def test_under_torch_distributed_it_fails_fast(monkeypatch: Any) -> None:
+    monkeypatch.setattr(monitor_module, "rank_and_world", lambda: (0, 2))
+    with pytest.raises(ConfigError, match="grad_buffer is for one process"):
+        Monitor(MonitorConfig(grad_buffer=True), transport=NullTransport()).attach(_model())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_norm_is_right_and_training_unchanged() -> None:
+    def train(buffered: bool) -> tuple[list[Any], list[float]]:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).cuda().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        buf = GradBuffer(model, model.parameters()) if buffered else None
+        norm = GradNorm(model.parameters(), buffer=buf)
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        norms = []
+        for _ in range(6):
+            opt.zero_grad(set_to_none=False)
+            model(x).float().pow(2).mean().backward()
+            norms.append(float(norm()))
+            assert norms[-1] == pytest.approx(_reference(model), rel=1e-5)
+            opt.step()
+        if buf is not None:
+            assert buf.adopted and buf.full_checks == 1 and _views_in_place(buf, model)
+            assert all(p.grad.data_ptr() % 256 == 0 for p in model.parameters())
+        return [p.detach().clone() for p in model.parameters()], norms
+
+    plain, buffered = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], buffered[0], strict=True))
