@@ -5,6 +5,7 @@
 #   bash bench/gpu_suite.sh counts-profile  # where a counted step's time goes (profilers, then real-time parts)
 #   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
 #   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
+#   bash bench/gpu_suite.sh host-cost-keep  # the same with MonitorConfig(grad_buffer=True), set_to_none=False
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
 #   bash bench/gpu_suite.sh heal-1e4   # the 1e4 outlier ($HEAL_1E4_ARGS passed on, e.g. --noise:
 #                                      # the unguarded run twice, run-to-run noise; --deterministic)
@@ -55,6 +56,13 @@ for what in "$@"; do
         --out "$OUT/gpu_host_cost.sweep.json"
       part host_cost_ratios 290 python3 bench/gpu_host_cost.py --parts ratios --budget-s 200 \
         --out "$OUT/gpu_host_cost.ratios.json" ;;
+    host-cost-keep)
+      # the same two parts with the gradients zeroed in place and kept in the monitor's buffer
+      # (MonitorConfig(grad_buffer=True)); the ratios part first measures what zeroing in place costs
+      part host_cost_keep_sweep 200 python3 bench/gpu_host_cost.py --grads keep --parts sweep --budget-s 150 \
+        --out "$OUT/gpu_host_cost.sweep_keep.json"
+      part host_cost_keep_ratios 290 python3 bench/gpu_host_cost.py --grads keep --parts ratios --gc-between-blocks \
+        --rounds 16 --budget-s 230 --out "$OUT/gpu_host_cost.ratios_keep.json" ;;
     heal|heal-1e4)
       # The in-process fp8guard service needs the service's packages, which the GPU image lacks:
       # carried as wheels in .whl/ (see docs/gpu.md).
