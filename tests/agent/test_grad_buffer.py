@@ -215,7 +215,7 @@ def test_a_loop_that_sets_gradients_to_none_every_step_ends_it(caplog: Any) -> N
             assert float(monitor.grad_norm()) == pytest.approx(_reference(model), rel=1e-5)
             monitor.step(loss)
             opt.step()
-    assert buf.state.startswith("ended: the gradients are set to None every step") and buf.readopted == 1
+    assert buf.state.startswith("ended: the gradients were set to None at two steps in a row") and buf.readopted == 1
     assert caplog.text.count("gradient buffer given up") == 1
     monitor.close()
 
@@ -260,3 +260,139 @@ def test_on_cuda_the_norm_is_right_and_training_unchanged() -> None:
 
     plain, buffered = train(False), train(True)
     assert all(torch.equal(a, b) for a, b in zip(plain[0], buffered[0], strict=True))
+
+
+def _plain_vs_buffered(make: Any, loop: Any) -> None:
+    """Trains ``make()`` twice through ``loop(model, opt)``, without and with the buffer: same weights."""
+    results = []
+    for buffered in (False, True):
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        buf = GradBuffer(model, model.parameters()) if buffered else None
+        loop(model, opt, GradNorm(model.parameters(), buffer=buf))
+        if buf is not None:
+            assert buf.adopted, buf.state
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_gradients_put_back_after_a_rollback_start_from_zero() -> None:
+    """The abandoned step's gradients must not leak into the next one (the views are zeroed)."""
+    def loop(model: Any, opt: Any, norm: Any) -> None:
+        for step in range(9):
+            if step in (3, 6):  # two rollbacks, three steps apart
+                _loss(model, 100 + step).backward()  # the abandoned step's gradients...
+                model.zero_grad(set_to_none=True)  # ...dropped, as fp8guard's rollback does
+                opt.step()
+            else:
+                opt.zero_grad(set_to_none=False)
+            _loss(model, step).backward()
+            assert float(norm()) == pytest.approx(_reference(model), rel=1e-5)
+            opt.step()
+
+    _plain_vs_buffered(_model, loop)
+
+
+def test_non_contiguous_parameters_get_gradients_laid_out_as_they_are() -> None:
+    def make() -> torch.nn.Module:
+        torch.manual_seed(2)
+        conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        lin = torch.nn.Linear(8, 5)
+        lin.weight = torch.nn.Parameter(torch.randn(5, 8).t().contiguous().t())  # a transposed layout
+        return torch.nn.Sequential(conv, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), lin)
+
+    def loop(model: Any, opt: Any, norm: Any) -> None:
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            opt.zero_grad(set_to_none=False)
+            model(torch.randn(2, 3, 6, 6, generator=gen)).pow(2).mean().backward()
+            for p in model.parameters():
+                assert p.grad is not None and p.grad.stride() == p.stride()
+            assert float(norm()) == pytest.approx(_reference(model), rel=1e-5)
+            opt.step()
+
+    fused = torch.optim.AdamW
+    try:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+    except (RuntimeError, ValueError):
+        fused = None  # type: ignore[assignment]
+    if fused is not None:  # fused kernels pair gradient and parameter elements by memory order
+        _plain_vs_buffered(make, loop)
+
+
+@pytest.mark.parametrize("move", ["to_bf16", "set_", "data"])
+def test_gradients_moved_in_place_are_found_at_once(move: str) -> None:
+    """``model.to(dtype)`` and ``.data =`` keep the gradient objects and move their memory."""
+    model = _model()
+    opt, buf, norm = _steady(model)
+    opt.zero_grad(set_to_none=False)
+    _loss(model, 3).backward()
+    if move == "to_bf16":
+        model.to(torch.bfloat16)
+    else:
+        for p in model.parameters():
+            fresh = p.grad.clone() * 2
+            if move == "set_":
+                p.grad.set_(fresh)
+            else:
+                p.grad.data = fresh
+    assert float(norm()) == pytest.approx(_reference(model), rel=1e-2 if move == "to_bf16" else 1e-5)
+    assert buf.state.startswith("ended: a gradient is no longer")
+
+
+def test_a_second_dtype_buffer_is_watched_too() -> None:
+    model = _model(dtypes=(torch.float32, torch.bfloat16))
+    opt, buf, norm = _steady(model)
+    assert len(buf.buffers) == 2
+    middle = [p for p in model.parameters() if p.dtype == torch.bfloat16][1]  # not the first or last parameter
+    opt.zero_grad(set_to_none=False)
+    middle.grad = torch.zeros_like(middle)  # the backward accumulates into this one, not the view
+    _loss(model, 3).backward()
+    assert float(norm()) == pytest.approx(_reference(model), rel=1e-2)
+    assert buf.state.startswith("ended: a gradient is no longer")
+
+
+def test_only_some_gradients_none_is_not_put_back_and_ends_it() -> None:
+    model = _model()
+    opt, buf, norm = _steady(model)
+    opt.zero_grad(set_to_none=False)
+    next(iter(model.parameters())).grad = None
+    _loss(model, 3).backward()
+    assert buf.readopted == 0
+    assert float(norm()) == pytest.approx(_reference(model), rel=1e-5)
+    assert buf.state.startswith("ended: a gradient is no longer")
+
+
+def test_sparse_gradients_and_gapped_parameters_keep_their_own_gradients(caplog: Any) -> None:
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    gapped = torch.nn.Linear(4, 2)
+    gapped.weight = torch.nn.Parameter(torch.randn(2, 8)[:, ::2])
+    with caplog.at_level(logging.WARNING, logger="fp8guard.agent"):
+        for model, why in ((sparse, "sparse gradients"), (gapped, "gaps or overlaps")):
+            buf = GradBuffer(model, model.parameters())
+            assert buf.state.startswith("ended:") and why in buf.state and not model._forward_pre_hooks
+            assert all(p.grad is None for p in model.parameters())
+    assert caplog.text.count("gradient buffer given up") == 2
+
+
+def test_close_leaves_the_gradients_and_removes_the_hook() -> None:
+    model = _model()
+    monitor = Monitor(MonitorConfig(grad_buffer=True, flush_interval_steps=1000, harm_interval_steps=0),
+                      transport=NullTransport()).attach(model)
+    assert monitor._grad_norm is not None and monitor._grad_norm.buffer is not None
+    buf = monitor._grad_norm.buffer
+    _loss(model, 0).backward()
+    views = [p.grad for p in model.parameters()]
+    monitor.close()
+    assert buf.state == "ended: closed" and not model._forward_pre_hooks
+    assert all(p.grad is v for p, v in zip(model.parameters(), views, strict=True))
+
+
+def test_no_buffer_without_the_monitor_computing_the_norm() -> None:
+    model = _model()
+    monitor = Monitor(MonitorConfig(grad_buffer=True, compute_grad_norm=False, harm_interval_steps=0),
+                      transport=NullTransport()).attach(model)
+    assert monitor._grad_norm is not None and monitor._grad_norm.buffer is None
+    assert all(p.grad is None for p in model.parameters()) and not model._forward_pre_hooks
+    monitor.close()
