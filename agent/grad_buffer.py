@@ -68,7 +68,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _disable_compile(fn: F) -> F:
     """Keep torch.compile from tracing the hook (it reads ``.grad`` and may assign it)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn  # type: ignore[no-any-return]
+    return disable(fn) if disable is not None else fn
 
 
 def _dense(p: torch.Tensor) -> bool:
