@@ -289,12 +289,22 @@ class GradNorm:
         if any(map(is_, grads, repeat(None))):
             return _ordered_norm([g for g in grads if g is not None])
         if self._inverse is None:  # one group: one device
-            total: torch.Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+            total: torch.Tensor = torch.linalg.vector_norm(torch.stack(_foreach_norms(grads)))
             return total
         first = grads[0].device
-        stacked = [torch.stack(torch._foreach_norm([grads[i] for i in members], 2, dtype=torch.float32)).to(first)
+        stacked = [torch.stack(_foreach_norms([grads[i] for i in members])).to(first)
                    for members in self._groups]
         return torch.linalg.vector_norm(torch.cat(stacked).index_select(0, self._inverse))  # type: ignore[no-any-return]
+
+
+def _foreach_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's L2 norm as float32 (bf16 norms would carry bf16 rounding). float64
+    gradients (a model moved to double after attach) refuse a float32 norm: they are normed in
+    their own precision, then converted (a norm beyond float32's range is inf: data)."""
+    try:
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    except RuntimeError:
+        return [n.float() for n in torch._foreach_norm(grads, 2)]
 
 
 def _norm_of(norms: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -305,7 +315,7 @@ def _norm_of(norms: Sequence[torch.Tensor]) -> torch.Tensor:
 def norm_of_grads(grads: list[torch.Tensor]) -> torch.Tensor | None:
     """The global L2 norm of ``grads`` in one ``torch._foreach_norm`` (multi-tensor kernels where
     the tensors share a dtype and device), one stack and one norm; None for no tensors."""
-    return _norm_of(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else None
+    return _norm_of(_foreach_norms(grads)) if grads else None
 
 
 def _ordered_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -316,6 +326,6 @@ def _ordered_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     norms: list[Any] = [None] * len(grads)
     for key in keys:
         at = [i for i, g in enumerate(grads) if (g.device, g.dtype) == key]
-        for i, n in zip(at, torch._foreach_norm([grads[i] for i in at], 2, dtype=torch.float32), strict=True):
+        for i, n in zip(at, _foreach_norms([grads[i] for i in at]), strict=True):
             norms[i] = n
     return _norm_of(norms)

@@ -396,3 +396,4 @@ def test_no_buffer_without_the_monitor_computing_the_norm() -> None:
     assert monitor._grad_norm is not None and monitor._grad_norm.buffer is None
     assert all(p.grad is None for p in model.parameters()) and not model._forward_pre_hooks
     monitor.close()
+

@@ -239,3 +239,21 @@ def test_non_finite_event_data_is_stored_on_every_database(client) -> None:
     assert client.get("/v1/runs/nan-event/scalars", params={"fields": "loss"}).json()["steps"] == list(range(5))
     (note,) = [e for e in client.get("/v1/runs/nan-event/events").json() if e["kind"] == "note"]
     assert note["data"] == {"v": "NaN", "nested": {"hi": ["Infinity", "-Infinity", 1.5]}}
+
+
+def test_a_model_moved_to_float64_after_attach_keeps_its_norm() -> None:
+    """The norm's float32 request is refused by float64 gradients: the monitor broke there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
+    monitor = Monitor(MonitorConfig(flush_interval_steps=1000, harm_interval_steps=0),
+                      transport=NullTransport()).attach(model)
+    for step in range(3):
+        if step == 1:
+            model.double()
+        loss = model(torch.randn(4, 9, dtype=next(model.parameters()).dtype)).pow(2).mean()
+        loss.backward()
+        assert float(monitor.grad_norm()) == pytest.approx(float(torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))), rel=1e-6)
+        monitor.step(loss)
+        model.zero_grad()
+    assert not monitor._broken
+    monitor.close()
