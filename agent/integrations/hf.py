@@ -76,7 +76,7 @@ import torch
 from fp8guard import wire
 from fp8guard.agent.commands import CommandHandler
 from fp8guard.agent.config import MonitorConfig
-from fp8guard.agent.errors import SourceUnavailable
+from fp8guard.agent.errors import ConfigError, SourceUnavailable
 from fp8guard.agent.harm import LossFn
 from fp8guard.agent.integrations._common import (
     STATE_FILE,
@@ -128,6 +128,9 @@ class FP8GuardTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-igno
                  handler: CommandHandler | None = None, token: str | None = None, harm_probe: bool = True,
                  heal: bool = False) -> None:
         self.config = config_with_token(config, token)
+        if self.config.grad_buffer:
+            raise ConfigError("grad_buffer needs a loop that zeroes gradients in place, and HF's Trainer sets them "
+                              "to None every step (model.zero_grad()); leave grad_buffer off")
         self.harm_probe = harm_probe
         self.heal = heal
         self.healer: TrainerHealer | None = None

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 
 import torch
 
-from fp8guard.agent import MonitorConfig
+from fp8guard.agent import ConfigError, MonitorConfig
 from fp8guard.agent.transport import HttpTransport, RunInfo
 from tests.integration_helpers import TinyGPT, batches, lightning_tiny_gpt, pl_warnings, tiny_gpt
 
@@ -184,6 +184,15 @@ def _hf_train(tmp_path: Path, model: torch.nn.Module, callback: Any, **kw: Any) 
     trainer = Trainer(model=model, args=args, train_dataset=_hf_dataset(16), callbacks=[callback])
     trainer.train()
     return trainer
+
+
+def test_hf_trainer_callback_refuses_the_gradient_buffer() -> None:
+    """HF's Trainer sets the gradients to None every step: the buffer could never hold them."""
+    pytest.importorskip("transformers")
+    from fp8guard.agent.integrations.hf import FP8GuardTrainerCallback
+
+    with pytest.raises(ConfigError, match="grad_buffer needs a loop that zeroes gradients in place"):
+        FP8GuardTrainerCallback(MonitorConfig(grad_buffer=True))
 
 
 def test_hf_trainer_callback_streams_every_step(client: Any, tmp_path: Path) -> None:
