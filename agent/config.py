@@ -61,10 +61,13 @@ class MonitorConfig:
     for a loop that zeroes them in place (``optimizer.zero_grad(set_to_none=False)``): the norm
     is then one launch and ``monitor.step`` reads no gradient, so its host time no longer grows
     with depth (under ``set_to_none=True`` every gradient is a new tensor each step and the
-    monitor reads them all: on the H200 that walk took 79 us at 12 layers and 385 us at 96,
-    docs/gpu.md). Parameters without a gradient then have a zero one. A loop that sets the
-    gradients to None every step makes the monitor give the buffer up after one step, with a
-    warning. One process only."""
+    monitor reads them all). Calibration (H200, TE, one call, docs/gpu.md): ``monitor.step``
+    872 / 884 / 806 / 919 us at 12 / 24 / 48 / 96 layers with the buffer, 1,000 / 1,130 / 1,309 /
+    2,390 us without; but zeroing in place cost the plain 604M loop 0.9-1.3 % of its step (a
+    memset, and accumulation instead of taking the backward's gradients), more than the monitor:
+    off by default, worth it for a host-bound loop or one that keeps its gradients already.
+    Parameters without a gradient then have a zero one. A loop that sets the gradients to None
+    every step makes the monitor give the buffer up after one step, with a warning. One process only."""
     segment: int = 0
     """Starting segment (incremented on every rollback); restored from checkpoints."""
     spool_dir: Path | None = None
