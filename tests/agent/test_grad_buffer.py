@@ -397,3 +397,46 @@ def test_no_buffer_without_the_monitor_computing_the_norm() -> None:
     assert all(p.grad is None for p in model.parameters()) and not model._forward_pre_hooks
     monitor.close()
 
+
+
+def test_a_real_rollback_keeps_the_buffer_and_trains_as_without_it(tmp_path: Any) -> None:
+    """fp8guard's own rollback (gradients set to None, weights restored, batches skipped) in a
+    loop that zeroes in place: the same weights and gradient norms with and without the buffer."""
+    import torch.nn.functional as F
+
+    from fp8guard.agent import HealConfig, JsonlFileTransport, emulate_fp8
+
+    def run(buffered: bool) -> tuple[list[Any], list[float], GradBuffer | None]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+        emulate_fp8(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(40)]
+        folder = tmp_path / ("buffered" if buffered else "plain")
+        monitor = Monitor(MonitorConfig(run_id="heal", flush_interval_steps=100, tripwire=False, harm_interval_steps=0,
+                                        grad_buffer=buffered),
+                          transport=JsonlFileTransport(folder / "telemetry.jsonl"))
+        monitor.attach(model, opt, heal=HealConfig(folder / "ckpt", every_n_steps=5))
+        norms = []
+        rollback = {"id": 3, "kind": "rollback", "reason": "loss spike", "checkpoint_step": 9, "skip_batches": 4}
+        for x, y in monitor.batches(data, steps=24):
+            step = monitor.next_step
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            norms.append(float(monitor.grad_norm()))
+            if step == 13 and rollback is not None:
+                monitor.receive_commands([rollback])
+                rollback = None
+            monitor.step(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        buf = monitor._grad_norm.buffer if monitor._grad_norm is not None else None
+        monitor.close()
+        return [p.detach().clone() for p in model.parameters()], norms, buf
+
+    plain_weights, plain_norms, _ = run(False)
+    weights, norms, buf = run(True)
+    assert buf is not None and buf.readopted == 1 and buf.state == "ended: closed"  # held to the end
+    assert norms == pytest.approx(plain_norms, rel=1e-6) and len(norms) == 28
+    assert all(torch.equal(a, b) for a, b in zip(plain_weights, weights, strict=True))
