@@ -48,6 +48,15 @@ class MonitorConfig:
     count_interval_steps: int = 0
     """Exact overflow/underflow counts every this many steps (1 = every step, 0 = never);
     counting reads every FP8 operand once more, so it costs more than the other statistics."""
+    count_stagger: bool = False
+    """Under Transformer Engine's inspection API, count each TE module at its own step of the
+    ``count_interval_steps`` steps that end at a multiple of the interval (where the counts are
+    read and reported), instead of every module at the multiple: every operand is still counted
+    once per interval, and TE's debug path (its per-module Python, 32-40 ms of host time per
+    counted step of the 604M model on the H200, docs/gpu.md) is spread over the interval's
+    steps, where a GPU-bound loop's host has room, instead of stalling one step. A report then
+    holds counts taken at up to ``interval - 1`` steps before its own; the first report after
+    attach, a rollback or a cadence change waits for a whole interval. Not yet measured on a GPU."""
     sources: Sequence[SourceName] | None = None
     """Which FP8 libraries to look for; None finds whatever the model uses. Naming a source
     makes its absence an error."""

@@ -366,7 +366,8 @@ class Monitor:
         return self._grad_norm() if self._grad_norm is not None else None
 
     def _arm_counts_for(self, step: int) -> None:
-        self._steps.arm_counts_for(step, every=self.config.count_interval_steps, reporting=self.reporting)
+        self._steps.arm_counts_for(step, every=self.config.count_interval_steps, reporting=self.reporting,
+                                   stagger=self.config.count_stagger)
 
     def set_count_interval(self, steps: int) -> None:
         """Change the exact-count cadence from the next step on (0 turns counting off), e.g. count

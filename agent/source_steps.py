@@ -29,6 +29,11 @@ class SourceSteps:
         """Whether the sources count exactly at the step being recorded."""
         self._end_failed: set[str] = set()
         self._step_calls = 0
+        self._schedule: tuple[int, bool] | None = None
+        """(cadence, staggered) of the last call, and the last step it was for."""
+        self._last_step = -1
+        self.stagger_from = 0
+        """Staggered counting: the step the schedule (re)started from."""
 
     def end_step(self) -> None:
         """Close the step in sources whose library needs it (the emulation's scale update when the
@@ -51,13 +56,25 @@ class SourceSteps:
                     log.warning("%s", message)
                     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def arm_counts_for(self, step: int, *, every: int, reporting: bool) -> None:
-        """Tell the sources whether ``step`` counts exactly (every ``every`` steps, when reporting)."""
+    def arm_counts_for(self, step: int, *, every: int, reporting: bool, stagger: bool = False) -> None:
+        """Tell the sources whether ``step`` counts exactly (every ``every`` steps, when reporting).
+
+        ``stagger``: a source that can (TE's inspection API) counts each module at its own step
+        of the ``every`` steps up to a multiple of ``every``, where the counts are read; only whole
+        windows are read, so the schedule restarts (and the first read waits for a whole window)
+        after a step that does not follow the last one (a rollback) or a change of cadence."""
+        if (every, stagger) != self._schedule or not self._last_step <= step <= self._last_step + 1:
+            self.stagger_from = step
+        self._schedule, self._last_step = (every, stagger), step
         for src in self.sources:
             prepare = getattr(src, "prepare_step", None)
             if prepare is not None:  # sources that must know the cadence ahead (TE's inspection API)
-                prepare(step, every if reporting else 0)
-        want = every > 0 and step % every == 0 and reporting
+                if stagger:
+                    prepare(step, every if reporting else 0, stagger_from=self.stagger_from)
+                else:
+                    prepare(step, every if reporting else 0)
+        whole = not stagger or step - (every - 1) >= self.stagger_from
+        want = every > 0 and step % every == 0 and reporting and whole
         if want != self.counting:
             for src in self.sources:
                 if src.supports_counts:

@@ -144,6 +144,9 @@ class TESource:
             from fp8guard.agent.sources import te_inspect
 
             self._inspect = te_inspect.InspectCounts(self._inspect_targets(te_inspect.TENSOR_NAMES), self._counts)
+            order: dict[int, int] = {}
+            self._inspect.module_of = {layer: order.setdefault(id(m), len(order))
+                                       for layer, m in self._inspect_layers.items()}
         self._hooks.sync()  # current/block scaling: the hooks are the measurement
         self._sentinel = FP8Sentinel(self._hooks, [m for _, m in self._switchable])
         """Armed by the Monitor's first ``prepare_step``: did any TE module run in FP8 since?"""
@@ -194,9 +197,11 @@ class TESource:
             self._inspect_layers[layer] = c.module
         return targets
 
-    def prepare_step(self, step: int, count_every: int) -> None:
-        """Called by the Monitor before each step: the step number and the counting cadence
-        (0: this rank never counts). Opens TE's debug session the first time counting is due."""
+    def prepare_step(self, step: int, count_every: int, stagger_from: int | None = None) -> None:
+        """Called by the Monitor before each step: the step number, the counting cadence (0: this
+        rank never counts) and, for staggered counting, the step its schedule started from (a new
+        value: the schedule restarted, after a rollback or a cadence change, and counts of an
+        unfinished window are dropped). Opens TE's debug session the first time counting is due."""
         self._sentinel.arm()
         counter = self._inspect
         if counter is None:
@@ -206,8 +211,11 @@ class TESource:
 
             te_inspect.attach(counter)
             self._inspect_open = True
-        changed = count_every != counter.every
+        changed = count_every != counter.every or stagger_from != counter.stagger_from
+        if stagger_from != counter.stagger_from and counter.stagger_from is not None:
+            self._counts.zero_()  # a window the restart abandoned
         counter.every = count_every
+        counter.stagger_from = stagger_from
         if self._inspect_open and counter.owning:
             from fp8guard.agent.sources import te_inspect
 

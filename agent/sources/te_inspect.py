@@ -106,6 +106,16 @@ class InspectCounts:
         falls back to the other)."""
         self._rows: list[torch.Tensor] = []
         self._rows_of: torch.Tensor | None = None
+        self.stagger_from: int | None = None
+        """Staggered counting (``MonitorConfig.count_stagger``; fp8guard owns the iteration
+        numbering): the step the schedule started from. Each TE module is then counted once in
+        every window of ``every`` steps that ends at a multiple of ``every`` (where the Monitor
+        reads the counts), at its own step: ``module index mod every`` steps before the window's
+        end, so a counted window's debug-path work is spread over its steps instead of falling on
+        one. Only whole windows after ``stagger_from`` count. None: every module at the multiples."""
+        self.module_of: dict[str, int] = {}
+        """TE layer name -> the index of the TE module it belongs to (a LayerNormMLP's two GEMMs
+        share one: TE takes its debug path per module)."""
 
     def enabled(self, iteration: int, layer_name: str, tensor_name: str) -> tuple[bool, int | None]:
         """(count on this iteration, next iteration TE must ask again; None: never)."""
@@ -115,15 +125,37 @@ class InspectCounts:
             nxt: int | None = iteration + 1
         elif self.every <= 0:
             nxt = (iteration + 1) if self.armed else None
+        elif self.staggered:
+            due, nxt = self._staggered(iteration, layer_name)
+            return due and layer_name not in self.high_precision, nxt
         else:
             nxt = (iteration // self.every + 1) * self.every
         return self.armed and layer_name not in self.high_precision, nxt
 
+    @property
+    def staggered(self) -> bool:
+        return self.stagger_from is not None and self.owning and self.every > 1
+
+    def _staggered(self, iteration: int, layer_name: str) -> tuple[bool, int]:
+        """(this layer counts at ``iteration``, the next iteration it counts at)."""
+        assert self.stagger_from is not None
+        every = self.every
+        phase = self.module_of.get(layer_name, 0) % every
+        first = -(-(self.stagger_from + every - 1) // every) * every  # the first whole window's end
+        due = (iteration + phase) % every == 0 and iteration + phase >= first
+        nxt = iteration + 1 + (-(iteration + 1 + phase)) % every
+        return due, max(nxt, first - phase)
+
     def inspect(self, layer_name: str, tensor_name: str, tensor: torch.Tensor | None, quantized: Any,
-                quantizer: Any) -> None:
+                quantizer: Any, iteration: int | None = None) -> None:
         """Count one cast; skips what it cannot count exactly (FP8 primary weights, block scaling)."""
-        if not (self.active and self.armed) or tensor is None:
+        if not self.active or tensor is None:
             return  # tensor is None for FP8 primary weights: no high-precision values exist
+        if self.staggered:
+            if iteration is None or not self._staggered(iteration, layer_name)[0]:
+                return
+        elif not self.armed:
+            return
         target = self.targets.get((layer_name, tensor_name))
         if target is None:
             return
@@ -212,7 +244,7 @@ def _make_feature() -> type:
             if counter is None:
                 return
             try:
-                counter.inspect(layer_name, tensor_name, tensor, rowwise_quantized_tensor, quantizer)
+                counter.inspect(layer_name, tensor_name, tensor, rowwise_quantized_tensor, quantizer, iteration)
             except Exception:  # monitoring never takes training down
                 counter.active = False
                 log.exception("fp8guard: exact counting failed and is now off; training continues")

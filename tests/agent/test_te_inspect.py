@@ -57,6 +57,66 @@ def test_schedule_joined_session_asks_every_iteration() -> None:
     assert c.enabled(7, "layer0.qkv", "activation") == (True, 8)
 
 
+def _te_modules_ask(c: te_inspect.InspectCounts, modules: dict[str, list[str]], steps: range,
+                    asks: dict[str, int] | None = None) -> dict[int, set[str]]:
+    """What TE 2.20.2 does with the answers (``is_debug_iter``): a module asks at the first forward
+    of an iteration at or after the next iteration its features named, and runs its debug path
+    (every layer of it) when one of them is enabled. Returns step -> layers counted; ``asks``
+    gets how many times each module asked."""
+    asks = {} if asks is None else asks
+    next_ask = {m: 0 for m in modules}
+    counted: dict[int, set[str]] = {}
+    for it in steps:
+        for m, layers in modules.items():
+            if next_ask[m] is None or it < next_ask[m]:
+                continue
+            asks[m] = asks.get(m, 0) + 1  # TE builds the module's debug quantizers to ask: the cost
+            answers = [c.enabled(it, layer, "activation") for layer in layers]
+            nexts = [n for _, n in answers if n is not None]
+            next_ask[m] = min(nexts) if nexts else None
+            for layer, (on, _) in zip(layers, answers, strict=True):
+                if on:
+                    counted.setdefault(it, set()).add(layer)
+    return counted
+
+
+@pytest.mark.parametrize(("every", "start"), [(10, 0), (10, 3), (4, 7), (1, 5), (3, 0)])
+def test_staggered_schedule_counts_every_module_once_per_whole_window(every: int, start: int) -> None:
+    modules = {f"m{k}": [f"m{k}.fc1", f"m{k}.fc2"] if k % 3 == 2 else [f"m{k}"] for k in range(7)}
+    layers = [layer for names in modules.values() for layer in names]
+    c = te_inspect.InspectCounts({(layer, "activation"): (i, Fp8Format.E4M3) for i, layer in enumerate(layers)},
+                                 torch.zeros(len(layers), 2, dtype=torch.int64))
+    c.owning, c.every, c.stagger_from = True, every, start
+    c.armed = every == 1  # one step a window: nothing to stagger, the Monitor arms every step
+    c.module_of = {layer: k for k, names in enumerate(modules.values()) for layer in names}
+    asks: dict[str, int] = {}
+    counted = _te_modules_ask(c, modules, range(start, start + 6 * every + 3), asks)
+    first = -(-(start + every - 1) // every) * every  # the first whole window's end
+    ends = range(first, start + 6 * every + 3, every)
+    assert len(ends) >= 5
+    for end in ends:  # each module once in (end - every, end], all of its layers together
+        window = [layer for it in range(end - every + 1, end + 1) for layer in sorted(counted.get(it, ()))]
+        assert sorted(window) == sorted(layers), (end, window)
+    assert not any(it <= first - every for it in counted)  # nothing before the first whole window
+    # a module asks only when it counts (and once at the start): never on the steps between
+    assert all(asks[m] <= 1 + sum(1 for layers in counted.values() if any(x.split(".")[0] == m for x in layers))
+               for m in modules), asks
+    per_step = [len({layer.split(".")[0] for layer in counted.get(it, ())}) for it in range(first - every + 1, first + 1)]
+    assert max(per_step) <= -(-len(modules) // every)  # spread: at most ceil(modules / every) modules a step
+
+
+def test_staggered_inspect_counts_only_at_the_layers_own_step() -> None:
+    c = _counter()
+    c.owning, c.every, c.stagger_from = True, 4, 0
+    c.module_of = {"layer0.qkv": 1, "layer0.mlp.fc2": 2}
+    x = torch.tensor([1e-9, 1e9])
+    for it in range(4, 9):  # layer0.qkv's phase is 1: it counts at 7 only (window 5-8)
+        c.inspect("layer0.qkv", "activation", x, _cast(x, 1.0, Fp8Format.E4M3), None, it)
+    assert c.counts[0].tolist() == [1, 1] and c.calls == 1
+    c.inspect("layer0.qkv", "activation", x, _cast(x, 1.0, Fp8Format.E4M3), None)  # no iteration: not counted
+    assert c.calls == 1
+
+
 def _cast(x: torch.Tensor, scale: float, fmt: Fp8Format) -> SimpleNamespace:
     q = quantize(x, scale, fmt)
     return SimpleNamespace(_data=q.view(torch.uint8), _scale_inv=torch.reciprocal(torch.tensor([scale])),
@@ -183,3 +243,41 @@ def test_counts_go_to_views_of_the_current_buffer() -> None:
     c.counts = torch.zeros(2, 2, dtype=torch.int64)
     c.inspect("layer0.mlp.fc2", "gradient", x, quantized, quantizer)
     assert c.counts[1].sum() > 0 and c.counts[0].sum() == 0 and first[1].sum() == 0
+
+
+class _Prepared:
+    """A source that records what the Monitor's step driver tells it."""
+
+    kind = "te"
+    supports_counts = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int | None]] = []
+        self.armed: list[bool] = []
+
+    def prepare_step(self, step: int, count_every: int, stagger_from: int | None = None) -> None:
+        self.calls.append((step, count_every, stagger_from))
+
+    def arm_counts(self, enabled: bool) -> None:
+        self.armed.append(enabled)
+
+
+def test_staggered_counts_are_read_only_at_the_end_of_whole_windows() -> None:
+    from fp8guard.agent.source_steps import SourceSteps
+
+    src = _Prepared()
+    steps = SourceSteps([src])  # type: ignore[list-item]
+    read = []
+    for step in [*range(0, 25), *range(12, 36)]:  # a rollback from 24 to 12
+        steps.arm_counts_for(step, every=10, reporting=True, stagger=True)
+        if steps.counting:
+            read.append(step)
+    # 0 reads nothing (no whole window ends there); 10 and 20 do; after the jump back to 12 the
+    # schedule restarts there: 20's window (11-20) began before it, so 30 is the next read
+    assert read == [10, 20, 30]
+    assert src.calls[0] == (0, 10, 0) and src.calls[24] == (24, 10, 0) and src.calls[25] == (12, 10, 12)
+    steps.arm_counts_for(36, every=5, reporting=True, stagger=True)  # a new cadence restarts too
+    assert src.calls[-1] == (36, 5, 36)
+    unstaggered = SourceSteps([_Prepared()])  # type: ignore[list-item]
+    assert [s for s in range(0, 25) if (unstaggered.arm_counts_for(s, every=10, reporting=True) or
+                                        unstaggered.counting)] == [0, 10, 20]

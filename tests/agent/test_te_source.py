@@ -677,6 +677,47 @@ def test_inspect_counts_every_operand_and_agree_with_the_hooks() -> None:
     hooks.close()
 
 
+def test_staggered_counting_counts_each_module_once_per_window_at_its_own_step() -> None:
+    """MonitorConfig(count_stagger=True) on TE: with an interval of 3 and three TE modules, each
+    module runs its debug path at its own step of each window (the others stay on TE's fused
+    path), every operand is counted once per window, and the Monitor reads the counts at the
+    windows' ends, the first whole one after attach included, not at step 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(te.LayerNormLinear(128, 128, params_dtype=BF16, name="ln_linear"),
+                          te.LayerNormMLP(128, 256, params_dtype=BF16, name="ln_mlp"),
+                          te.Linear(128, 128, params_dtype=BF16, name="linear")).to(DEV)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
+    train_step(model, batch(0), recipe)
+    model.zero_grad(set_to_none=True)
+    monitor = Monitor(MonitorConfig(url=None, sources=["te"], count_interval_steps=3, count_stagger=True,
+                                    flush_interval_steps=100, flush_interval_s=1e6, harm_interval_steps=0,
+                                    tripwire=False))
+    monitor.attach(model)
+    try:
+        counter = monitor.sources[0]._inspect  # type: ignore[attr-defined]
+        assert counter is not None and counter.module_of["ln_mlp.fc1"] == counter.module_of["ln_mlp.fc2"]
+        seen: dict[int, set[str]] = {}
+        real = counter.inspect
+
+        def spying(layer: str, tensor: str, *args: Any) -> None:
+            before = counter.calls
+            real(layer, tensor, *args)
+            if counter.calls > before:
+                seen.setdefault(monitor.next_step, set()).add(layer.split(".")[0])
+
+        counter.inspect = spying
+        for step in range(7):
+            loss = train_step(model, batch(step) * 8.0, recipe)
+            monitor.step(loss)
+            model.zero_grad(set_to_none=True)
+        assert seen == {1: {"linear"}, 2: {"ln_mlp"}, 3: {"ln_linear"}, 4: {"linear"}, 5: {"ln_mlp"},
+                        6: {"ln_linear"}}, seen
+        assert monitor._ring is not None and monitor._ring.count_steps == [3, 6]
+        assert not monitor._broken
+    finally:
+        monitor.close()
+
+
 def test_counted_steps_keep_modules_in_bf16_off_the_debug_path() -> None:
     """Float32 parameters under torch autocast, counting every step through TE's inspection API:
     a module fallen back to BF16 (and one a probe's plan puts in BF16 mid-iteration) runs TE's
