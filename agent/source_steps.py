@@ -30,8 +30,9 @@ class SourceSteps:
         self._end_failed: set[str] = set()
         self._step_calls = 0
         self._schedule: tuple[int, bool] | None = None
-        """(cadence, staggered) of the last call, and the last step it was for."""
+        """(cadence, staggered) of the last ``arm_counts_for``."""
         self._last_step = -1
+        """The step of the last ``arm_counts_for``."""
         self.stagger_from = 0
         """Staggered counting: the step the schedule (re)started from."""
 

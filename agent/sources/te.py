@@ -310,7 +310,7 @@ class TESource:
         mask, armed = self._fp8_mask, (self._inspect.armed if self._inspect is not None else None)
         before = self.precision()
         if self._inspect is not None:
-            self._inspect.armed = False
+            self._inspect.armed, self._inspect.held = False, True
         try:
             for name, module in self._switchable:
                 if name in fp8:
@@ -327,7 +327,7 @@ class TESource:
                     live.copy_(copy)
             self._fp8_mask = mask
             if self._inspect is not None and armed is not None:
-                self._inspect.armed = armed
+                self._inspect.armed, self._inspect.held = armed, False
             if self._delayed is not None:
                 self._delayed.refresh()
 

@@ -113,6 +113,9 @@ class InspectCounts:
         reads the counts), at its own step: ``module index mod every`` steps before the window's
         end, so a counted window's debug-path work is spread over its steps instead of falling on
         one. Only whole windows after ``stagger_from`` count. None: every module at the multiples."""
+        self.held = False
+        """Counting paused (a probe's forwards inside a step are not the step's casts): staggered
+        counting's schedule does not read ``armed``, so the probe holds it with this."""
         self.module_of: dict[str, int] = {}
         """TE layer name -> the index of the TE module it belongs to (a LayerNormMLP's two GEMMs
         share one: TE takes its debug path per module)."""
@@ -127,7 +130,7 @@ class InspectCounts:
             nxt = (iteration + 1) if self.armed else None
         elif self.staggered:
             due, nxt = self._staggered(iteration, layer_name)
-            return due and layer_name not in self.high_precision, nxt
+            return due and not self.held and layer_name not in self.high_precision, nxt
         else:
             nxt = (iteration // self.every + 1) * self.every
         return self.armed and layer_name not in self.high_precision, nxt
@@ -152,7 +155,7 @@ class InspectCounts:
         if not self.active or tensor is None:
             return  # tensor is None for FP8 primary weights: no high-precision values exist
         if self.staggered:
-            if iteration is None or not self._staggered(iteration, layer_name)[0]:
+            if self.held or iteration is None or not self._staggered(iteration, layer_name)[0]:
                 return
         elif not self.armed:
             return

@@ -115,6 +115,12 @@ def test_staggered_inspect_counts_only_at_the_layers_own_step() -> None:
     assert c.counts[0].tolist() == [1, 1] and c.calls == 1
     c.inspect("layer0.qkv", "activation", x, _cast(x, 1.0, Fp8Format.E4M3), None)  # no iteration: not counted
     assert c.calls == 1
+    c.held = True  # a probe's forward inside the layer's own step: not the step's cast
+    assert c.enabled(11, "layer0.qkv", "activation") == (False, 15)
+    c.inspect("layer0.qkv", "activation", x, _cast(x, 1.0, Fp8Format.E4M3), None, 11)
+    assert c.calls == 1
+    c.held = False
+    assert c.enabled(11, "layer0.qkv", "activation") == (True, 15)
 
 
 def _cast(x: torch.Tensor, scale: float, fmt: Fp8Format) -> SimpleNamespace:
