@@ -646,16 +646,23 @@ def test_harm_probe_on_te_leaves_no_trace_and_measures_the_gap() -> None:
     source.close()
 
 
-def test_inspect_counts_every_operand_and_agree_with_the_hooks() -> None:
-    """exact_counts="inspect": TE's tensor-inspection API hands over every operand (LayerNorm
-    outputs and MLP internals included); where module hooks also reach an operand, both paths
-    count the same. (bench/gpu_counts.py verify checks the 604M model against TE's own stats.)"""
+def three_te_modules() -> tuple[nn.Sequential, Any]:
+    """A LayerNormLinear, a LayerNormMLP (two GEMMs, one TE module) and a Linear, named, after one
+    training step under delayed scaling; and the recipe."""
     torch.manual_seed(0)
     model = nn.Sequential(te.LayerNormLinear(128, 128, params_dtype=BF16, name="ln_linear"),
                           te.LayerNormMLP(128, 256, params_dtype=BF16, name="ln_mlp"),
                           te.Linear(128, 128, params_dtype=BF16, name="linear")).to(DEV)
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
     train_step(model, batch(0), recipe)
+    return model, recipe
+
+
+def test_inspect_counts_every_operand_and_agree_with_the_hooks() -> None:
+    """exact_counts="inspect": TE's tensor-inspection API hands over every operand (LayerNorm
+    outputs and MLP internals included); where module hooks also reach an operand, both paths
+    count the same. (bench/gpu_counts.py verify checks the 604M model against TE's own stats.)"""
+    model, recipe = three_te_modules()
     hooks = te_source.discover(model, required=True, exact_counts="hooks")
     inspect = te_source.discover(model, required=True, exact_counts="inspect")
     assert inspect is not None and hooks is not None and all(inspect.counted)
@@ -682,12 +689,7 @@ def test_staggered_counting_counts_each_module_once_per_window_at_its_own_step()
     module runs its debug path at its own step of each window (the others stay on TE's fused
     path), every operand is counted once per window, and the Monitor reads the counts at the
     windows' ends, the first whole one after attach included, not at step 0."""
-    torch.manual_seed(0)
-    model = nn.Sequential(te.LayerNormLinear(128, 128, params_dtype=BF16, name="ln_linear"),
-                          te.LayerNormMLP(128, 256, params_dtype=BF16, name="ln_mlp"),
-                          te.Linear(128, 128, params_dtype=BF16, name="linear")).to(DEV)
-    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
-    train_step(model, batch(0), recipe)
+    model, recipe = three_te_modules()
     model.zero_grad(set_to_none=True)
     monitor = Monitor(MonitorConfig(url=None, sources=["te"], count_interval_steps=3, count_stagger=True,
                                     flush_interval_steps=100, flush_interval_s=1e6, harm_interval_steps=0,
