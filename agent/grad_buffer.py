@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["GradBuffer"]
+__all__ = ["GradBuffer", "device_dtype_groups"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -69,6 +69,15 @@ def _disable_compile(fn: F) -> F:
     """Keep torch.compile from tracing the hook (it reads ``.grad`` and may assign it)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(fn) if disable is not None else fn
+
+
+def device_dtype_groups(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """The tensors' indices grouped by (device, dtype), in first-seen order: what one buffer, one
+    table or one multi-tensor kernel can take together."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
 
 
 def _dense(p: torch.Tensor) -> bool:
@@ -149,7 +158,7 @@ class GradBuffer:
             if bump > 0:
                 self._bump = bump
             return True
-        self.end("a gradient is no longer the buffer's view (replaced, moved by .data = or model.to(), or set to "
+        self._end("a gradient is no longer the buffer's view (replaced, moved by .data = or model.to(), or set to "
                  "None outside the model's forward)")
         return False
 
@@ -162,11 +171,6 @@ class GradBuffer:
         total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
         return total
 
-    def end(self, why: str) -> None:
-        """Stop using the buffers (gradients still pointing into them keep their values)."""
-        if self.adopted:
-            self._end(why)
-
     def close(self) -> None:
         """Detach the hook; the gradients stay as they are (views, holding the buffers)."""
         if self.adopted:
@@ -175,6 +179,7 @@ class GradBuffer:
     # -- internals -------------------------------------------------------------------------------
 
     def _end(self, why: str) -> None:
+        """Stop using the buffers (gradients still pointing into them keep their values)."""
         self._release(f"ended: {why}")
         log.warning("fp8guard: gradient buffer given up: %s; the grad norm reads each gradient again, so "
                     "monitor.step's host time grows with depth", why)
@@ -187,11 +192,8 @@ class GradBuffer:
         self.buffers, self._views, self._ptrs = [], [], []
 
     def _build(self) -> None:
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(self._params):
-            groups.setdefault((p.device, p.dtype), []).append(i)
         views: list[Any] = [None] * len(self._params)
-        for (device, dtype), members in groups.items():
+        for (device, dtype), members in device_dtype_groups(self._params).items():
             align = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
             offsets, size = [], 0
             for i in members:
@@ -224,7 +226,7 @@ class GradBuffer:
         if not all(map(is_, map(_grad, self._params), repeat(None))):
             return  # only some gradients are None: the step's full check decides
         if self._steps_since_readopt <= 1:
-            self.end("the gradients were set to None at two steps in a row (a loop that calls zero_grad() "
+            self._end("the gradients were set to None at two steps in a row (a loop that calls zero_grad() "
                      "with its default set_to_none=True); keep them with optimizer.zero_grad(set_to_none=False)")
             return
         for buf in self.buffers:

@@ -10,13 +10,19 @@ from collections.abc import Sequence
 
 from fp8guard.agent.sources.base import Source
 
-__all__ = ["SourceSteps"]
+__all__ = ["SourceSteps", "first_whole_window_end"]
 
 log = logging.getLogger("fp8guard.agent")
 
 _STALE_CHECK_STEPS = 10
 """After this many ``step`` calls, ask each source once whether its FP8 state ever changed
 (``stale_reason``, host only) and warn loudly if not: silent zeros are worse than no data."""
+
+
+def first_whole_window_end(start: int, every: int) -> int:
+    """Staggered counting: the first multiple of ``every`` whose window of ``every`` steps
+    (``end - every + 1 .. end``) lies wholly at or after ``start``, the step the schedule began."""
+    return -(-(start + every - 1) // every) * every
 
 
 class SourceSteps:
@@ -70,11 +76,11 @@ class SourceSteps:
         for src in self.sources:
             prepare = getattr(src, "prepare_step", None)
             if prepare is not None:  # sources that must know the cadence ahead (TE's inspection API)
-                if stagger:
+                if stagger:  # only then: a source's prepare_step(step, every) need not know of it
                     prepare(step, every if reporting else 0, stagger_from=self.stagger_from)
                 else:
                     prepare(step, every if reporting else 0)
-        whole = not stagger or step - (every - 1) >= self.stagger_from
+        whole = not stagger or every <= 0 or step >= first_whole_window_end(self.stagger_from, every)
         want = every > 0 and step % every == 0 and reporting and whole
         if want != self.counting:
             for src in self.sources:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fp8guard.agent.errors import ConfigError
-from fp8guard.agent.grad_buffer import GradBuffer
+from fp8guard.agent.grad_buffer import GradBuffer, device_dtype_groups
 from fp8guard.agent.kernels import TableSumOfSquares, triton_available
 from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, STATS
 
@@ -211,9 +211,7 @@ class GradNorm:
         self._params = [p for p in params if p.requires_grad]
         self.buffer = buffer
         """The gradient buffer the norm reads while it holds the gradients (None: no buffer)."""
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(self._params):
-            groups.setdefault((p.device, p.dtype), []).append(i)
+        groups = device_dtype_groups(self._params)
         self._groups = list(groups.values())
         self._tables: list[TableSumOfSquares] = []
         self._numels = [p.numel() for p in self._params]

@@ -58,6 +58,7 @@ import torch
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.fp8 import Fp8Format
 from fp8guard.agent.kernels import count_cast_into
+from fp8guard.agent.source_steps import first_whole_window_end
 
 __all__ = ["FEATURE_NAME", "TENSOR_NAMES", "InspectCounts", "register_feature"]
 
@@ -144,7 +145,7 @@ class InspectCounts:
         assert self.stagger_from is not None
         every = self.every
         phase = self.module_of.get(layer_name, 0) % every
-        first = -(-(self.stagger_from + every - 1) // every) * every  # the first whole window's end
+        first = first_whole_window_end(self.stagger_from, every)
         due = (iteration + phase) % every == 0 and iteration + phase >= first
         nxt = iteration + 1 + (-(iteration + 1 + phase)) % every
         return due, max(nxt, first - phase)
