@@ -359,6 +359,10 @@ every step, and TE's debug path alone (counting armed, fp8guard's
         self.te_inspect.count_cast_into = self.real
 
 
+_TIME_MODES = ("plain", "agent_no_counts", "counts_every_10", "counts_every_10_staggered", "counts_every_step",
+               "debug_path_only")
+
+
 def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     modes_ = _Modes(args, "gpu_counts_time")
     torch, m, monitor, src, records = modes_.torch, modes_.m, modes_.monitor, modes_.src, modes_.records
@@ -367,8 +371,9 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     def use(mode: str) -> None:
         modes_.use(mode)
 
-    modes = ["plain", "agent_no_counts", "counts_every_10", "counts_every_10_staggered", "counts_every_step",
-             "debug_path_only"]
+    modes = [m for m in _TIME_MODES if m in args.modes.split(",")]
+    if "plain" not in modes:
+        modes.insert(0, "plain")  # the ratios' denominator
     for mode in modes:  # warm-up: Triton compiles its kernel variants, TE builds its debug path
         use(mode)
         for _ in range(args.warmup):
@@ -411,8 +416,9 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     counter = src._inspect
     real_inspect = counter.inspect
 
-    def copying(layer_name: str, tensor_name: str, tensor: Any, quantized: Any, quantizer: Any) -> None:
-        real_inspect(layer_name, tensor_name, tensor, quantized, quantizer)
+    def copying(layer_name: str, tensor_name: str, tensor: Any, quantized: Any, quantizer: Any,
+                iteration: int | None = None) -> None:
+        real_inspect(layer_name, tensor_name, tensor, quantized, quantizer, iteration)
         scale_inv = getattr(quantized, "_scale_inv", None)
         if tensor is None or not isinstance(scale_inv, torch.Tensor) or (layer_name, tensor_name) not in counter.targets:
             return
@@ -439,11 +445,14 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
         "columns": len(src.tensors()), "counted_columns": sum(src.counted), "rounds": args.rounds,
         "block": args.block, "settle": args.settle, "ms_per_step": {k: round(v, 3) for k, v in med.items()},
         "ratio_vs_plain": {k: round(v / plain, 5) for k, v in med.items()},
-        "ratio_vs_agent_no_counts": {k: round(v / med["agent_no_counts"], 5) for k, v in med.items()},
+        "ratio_vs_agent_no_counts": {k: round(v / med["agent_no_counts"], 5) for k, v in med.items()}
+        if "agent_no_counts" in med else None,
         "host_ms_per_step_median": {k: round(statistics.median(v), 2) for k, v in host.items()},
         "block_ms_min_max": {k: [round(min(v), 3), round(max(v), 3)] for k, v in per_step.items()},
         "targets": {"counts_every_step": 1.15, "counts_every_10": 1.01, "counts_every_10_staggered": 1.01},
-        "ok": probe["compare"]["agree"], "default_variant": src._inspect.variant, "probe": probe, "timed_s": round(timed_s, 1), "agent_log": records.messages[:10],
+        "ok": probe["compare"]["agree"] and probe["compare"]["operands"] > 0 and not any(
+            m.startswith("ERROR") for m in records.messages),  # an error switched counting off
+        "default_variant": src._inspect.variant, "probe": probe, "timed_s": round(timed_s, 1), "agent_log": records.messages[:10],
         "monitor_broken": bool(monitor._broken),
     }
 
@@ -840,7 +849,9 @@ def main() -> None:
     parser.add_argument("--settle", type=int, default=2, help="time: untimed steps after each mode switch")
     parser.add_argument("--profile-steps", type=int, default=3, help="profile: steps per mode per profiler")
     parser.add_argument("--trace", action="store_true", help="profile: write the counted steps' chrome trace")
-    parser.add_argument("--tag", default="", help="profile, parts: suffix of the result file's name")
+    parser.add_argument("--tag", default="", help="time, profile, parts: suffix of the result file's name")
+    parser.add_argument("--modes", default=",".join(_TIME_MODES),
+                        help="time: the modes compared, comma-separated (plain is always timed)")
     parser.add_argument("--budget-s", type=float, default=120.0, help="parts: stop starting rounds after this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -858,7 +869,7 @@ def main() -> None:
         _write(args.out, f"gpu_counts_profile{args.tag}.json", result)
     else:
         result = time_modes(args)
-        _write(args.out, "gpu_counts_time.json", result)
+        _write(args.out, f"gpu_counts_time{args.tag}.json", result)
     if result.get("ok") is False:
         sys.exit(1)  # a disagreement between the variants or with TE: named in the JSON
 
