@@ -45,7 +45,19 @@ class Operand:
                 "numel": self.x.numel()}
 
 
+VARIANTS = ("hp", "bytes", "bytes_bytewise")
+"""The high-precision variant; the FP8-bytes variant as it runs (bytes tested four to a word);
+the same with ``kernels.BYTES_IN_WORDS`` off (bytes tested one by one, the kernel before)."""
+
+
 def _run(ops: list[Operand], dst: torch.Tensor, variant: str) -> None:
+    if variant == "bytes_bytewise":
+        kernels.BYTES_IN_WORDS = False
+        try:
+            _run(ops, dst, "bytes")
+        finally:
+            kernels.BYTES_IN_WORDS = True
+        return
     for i, op in enumerate(ops):
         if variant == "bytes" and op.q is None:
             continue
@@ -140,7 +152,7 @@ def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
             fetched += int(rows.sum()) * 64
     hp_bytes = sum(op.x.numel() * op.x.element_size() for op in ops if op.scale is not None)
     by_bytes = sum(op.x.numel() for op in ops if op.q is not None) + 2 * fetched
-    for variant, nbytes in (("hp", hp_bytes), ("bytes", by_bytes)):
+    for variant, nbytes in (("hp", hp_bytes), ("bytes", by_bytes), ("bytes_bytewise", by_bytes)):
         eager = _best_ms(lambda v=variant: _run(ops, dst, v), dst, repeats)
         try:
             graph = _graph_ms(ops, dst, variant, repeats)
@@ -154,7 +166,7 @@ def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
                         "host_us_per_launch_cached_handle": round(_host_us_per_launch(ops, dst, variant, True), 2)}
     out["bytes"]["rows_fetched_fraction"] = round(fetched / max(1, out["elements"]), 6)
     out["cached_handle_in_use"] = bool(kernels._LAUNCH.fast and kernels._LAUNCH.cached)
-    out["fastest"] = min(("hp", "bytes"), key=lambda v: out[v]["graph_ms"] if out[v]["graph_ms"] == out[v]["graph_ms"]
+    out["fastest"] = min(VARIANTS, key=lambda v: out[v]["graph_ms"] if out[v]["graph_ms"] == out[v]["graph_ms"]
                          else out[v]["eager_ms"])
     return out
 
@@ -175,7 +187,8 @@ def legacy_count_cast_into(out: torch.Tensor, x: torch.Tensor, *, scale: torch.T
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
     q = fp8_bytes if fp8_bytes is not None else x
     consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, kernels._MAX_CODE[fmt], kernels._NONZERO_MASK[x.dtype],
-              kernels._HP_KIND[x.dtype], fp8_bytes is not None, rows, cols, iters)
+              kernels._HP_KIND[x.dtype], fp8_bytes is not None, rows, cols, iters,
+              fp8_bytes is not None and kernels.BYTES_IN_WORDS and q.data_ptr() % 4 == 0)
     kernels._launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -245,8 +258,10 @@ def synthetic_operands(layers: int = 12, hidden: int = 2048, tokens: int = 16384
     return ops
 
 
-SWEEP = [(64, 64, 8, 8), (32, 128, 8, 8), (64, 128, 4, 8), (16, 256, 8, 4), (128, 64, 4, 8), (64, 64, 16, 4)]
-"""(rows, cols, programs per SM, warps) tried by ``kernels``; the first is the current default."""
+SWEEP = [(32, 64, 32, 2), (16, 128, 32, 4), (64, 64, 16, 4), (64, 64, 16, 8), (32, 64, 16, 4), (32, 64, 32, 4), (32, 64, 32, 2), (16, 64, 32, 2),
+         (16, 128, 32, 4), (32, 128, 16, 4), (64, 64, 32, 4), (16, 256, 8, 4), (64, 64, 8, 8), (32, 128, 8, 8)]
+"""(rows, cols, programs per SM, warps) tried by ``kernels``; the first two are the current defaults
+(FP8-bytes, high-precision)."""
 
 
 def sweep(ops: list[Operand], repeats: int = 3) -> dict[str, Any]:
@@ -255,13 +270,15 @@ def sweep(ops: list[Operand], repeats: int = 3) -> dict[str, Any]:
     ref = torch.zeros_like(dst)
     saved = dict(kernels.COUNT_SHAPES)
     hp_bytes = sum(op.x.numel() * op.x.element_size() for op in ops)
-    results: dict[str, list[dict[str, Any]]] = {"hp": [], "bytes": []}
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     try:
-        for variant in ("hp", "bytes"):
+        for variant in VARIANTS:
             kernels.COUNT_SHAPES.update(saved)
-            _run(ops, ref.zero_(), variant)  # each variant's own reference (the kernels accumulate)
+            # each variant's own reference at the default shape (the kernels accumulate); the
+            # bytes tested one by one must count what the bytes tested in words count
+            _run(ops, ref.zero_(), "bytes" if variant == "bytes_bytewise" else variant)
             for shape in SWEEP:
-                kernels.COUNT_SHAPES[variant] = shape
+                kernels.COUNT_SHAPES["hp" if variant == "hp" else "bytes"] = shape
                 try:
                     _run(ops, dst.zero_(), variant)  # compile outside the graph
                     same = bool(torch.equal(dst, ref))

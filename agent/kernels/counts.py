@@ -32,8 +32,6 @@ from fp8guard.agent.kernels._launch import (
 
 __all__ = ["COUNT_SHAPES", "count_cast_into"]
 
-_ROWS, _COLS = 64, 64
-"""Counting tile: rows of 64 elements (128 bytes of BF16) decide together whether to fetch."""
 _MAX_CODE = {Fp8Format.E4M3: 0x7E, Fp8Format.E5M2: 0x7B}
 """Magnitude bits of the largest finite value: 448 (E4M3 0x7E; 0x7F is NaN) and 57344 (E5M2 0x7B;
 0x7C is inf and above are NaN). Bytes at or above it are checked against the threshold."""
@@ -55,7 +53,7 @@ def _kernel() -> Any:
     def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
                      FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
                      NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr):
+                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr):
         # A tile is ROWS x COLS consecutive elements. From FP8 bytes, the high-precision values of
         # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
         # predicate is uniform along the row, so the fetch stays a vectorised load.
@@ -75,19 +73,48 @@ def _kernel() -> Any:
         over = tl.zeros([ROWS], dtype=tl.int32)
         under = tl.zeros([ROWS], dtype=tl.int32)
         tile = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        if WORDS:
+            # The FP8 bytes read four to a 32-bit word (the tensor is 4-byte aligned): a tile of
+            # ROWS x COLS bytes is ROWS x COLS/4 words, each tested for a byte at +/-0 or at/above
+            # the maximum code with a few integer operations on all four bytes at once, and the
+            # next tile's words are loaded before this one is tested, so every program keeps two
+            # tiles' loads in flight. Only a tile that has such a byte is read again byte by byte.
+            qw_ptr = q_ptr.to(tl.pointer_type(tl.int32))
+            wtile = tl.arange(0, ROWS)[:, None] * (COLS // 4) + tl.arange(0, COLS // 4)[None, :]
+            nw = n // 4
+            first = pid * ITERS * (ROWS * COLS // 4)
+            # masked words read as 0x01 bytes: nonzero, below the maximum: nothing to count
+            w_next = tl.load(qw_ptr + first + wtile, mask=first + wtile < nw, other=0x01010101)
         for i in range(ITERS):  # program pid owns tiles pid*ITERS .. pid*ITERS+ITERS-1
-            offs = (pid * ITERS + i) * (ROWS * COLS) + tile
+            start = (pid * ITERS + i) * (ROWS * COLS)
+            offs = start + tile
             inside = offs < n
             if FROM_BYTES:
-                mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
-                zero = mag == 0
-                top = mag >= MAX_CODE
-                flag = (zero | top).to(tl.int32)
+                if WORDS:
+                    w = w_next
+                    nxt = first + (i + 1) * (ROWS * COLS // 4) + wtile
+                    w_next = tl.load(qw_ptr + nxt, mask=(nxt < nw) & (i + 1 < ITERS), other=0x01010101)
+                    # the magnitudes; each byte <= 0x7F, so no carry leaves a byte below
+                    v = w.to(tl.uint32, bitcast=True) & 0x7F7F7F7F
+                    # some byte of v is 0 <=> subtracting 1 from every byte sets a top bit (the
+                    # lowest zero byte turns 0xFF; without one, no byte borrows and each stays
+                    # below 0x80); a byte is >= MAX_CODE <=> adding 0x80 - MAX_CODE sets its top bit
+                    zero_or_top = (v - 0x01010101) | (v + (0x80 - MAX_CODE) * 0x01010101)
+                    flagged = tl.max(tl.max(((zero_or_top & 0x80808080) != 0).to(tl.int32), axis=1), axis=0) > 0
+                    # the last 1-3 bytes of a length that is not a multiple of 4 are in no word
+                    tail = (nw * 4 < n) & (start + ROWS * COLS > nw * 4) & (start < n)
+                    go = flagged | tail
+                else:
+                    mag0 = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                    go = tl.max(tl.max(((mag0 == 0) | (mag0 >= MAX_CODE)).to(tl.int32), axis=1), axis=0) > 0
                 # A tile with no byte at +/-0 or the maximum counts nothing: on real tensors almost
                 # every tile (the model's rows that need a fetch: ~0.04 %), so the fetch and the
                 # arithmetic below run for the few that have one (a branch per tile, not per row).
-                if tl.max(tl.max(flag, axis=1), axis=0) > 0:
-                    row_needs = tl.max(flag, axis=1) > 0
+                if go:
+                    mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                    zero = mag == 0
+                    top = mag >= MAX_CODE
+                    row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
                     need = inside & row_needs[:, None]
                     bits = tl.load(x_ptr + offs, mask=need, other=0)
                     nonzero = (bits & NZ_MASK) != 0
@@ -132,13 +159,19 @@ def _kernel() -> Any:
     return count_kernel
 
 
-COUNT_SHAPES: dict[str, tuple[int, int, int, int]] = {"hp": (_ROWS, _COLS, 16, 4), "bytes": (_ROWS, _COLS, 16, 4)}
+COUNT_SHAPES: dict[str, tuple[int, int, int, int]] = {"hp": (16, 128, 32, 4), "bytes": (32, 64, 32, 2)}
 """Launch shape per variant: (rows, columns of a tile, programs per multiprocessor, warps).
 ``bench/gpu_counts.py kernels`` times alternatives (it sets this table) before a default moves.
 Calibration (H200, the 604M model's 144 operand shapes, graph-replayed,
-docs/gpu-results/gpu_counts_kernels.2026-12-03.json): 64 x 64 tiles, 16 programs per SM and 4
-warps were the fastest of six shapes for both variants, with the same counts (bytes 4.74 ms against
-5.24 with 8 and 8, the earlier default; high-precision 11.2 against 13.4)."""
+docs/gpu-results/gpu_counts_kernels.shapes.2026-12-03d.json): with the bytes tested in words, 32 x
+64 tiles, 32 programs per SM and 2 warps were the fastest of twelve shapes for the FP8-bytes
+variant (3.16 ms against 3.35 for 64 x 64, 16 and 4, the earlier default), and 16 x 128, 32 and 4
+for the high-precision one (10.1 against 11.2), with the same counts everywhere."""
+
+BYTES_IN_WORDS = True
+"""Whether the FP8-bytes variant tests its bytes four to a 32-bit word, with the next tile's
+words loaded before the current one is tested (for 4-byte-aligned bytes; False: byte by byte, the
+kernel before the ninth session). ``bench/gpu_counts.py kernels`` times both side by side."""
 
 _LAUNCH = CompiledLaunch()
 """The count kernel's launches through its compiled handle (see :func:`_launch_count`)."""
@@ -188,8 +221,9 @@ def count_cast_into(
         raise RuntimeError("backend='triton' but Triton cannot be imported")
     from_bytes = fp8_bytes is not None
     q = fp8_bytes if fp8_bytes is not None else x
+    words = from_bytes and BYTES_IN_WORDS and q.data_ptr() % 4 == 0
     if x.is_cuda:
-        plan = _plan(n, x.dtype, fmt, from_bytes, x.get_device())
+        plan = _plan(n, x.dtype, fmt, from_bytes, x.get_device(), words)
         _launch_planned(kernel, plan, x, q, scale, scale_inv, out, n)
         return
     rows, cols, per_sm, warps = COUNT_SHAPES["bytes" if from_bytes else "hp"]
@@ -197,7 +231,7 @@ def count_cast_into(
     # bandwidth), each looping over its tiles; two atomics per program.
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
     consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
-              from_bytes, rows, cols, iters)
+              from_bytes, rows, cols, iters, words)
     _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -223,15 +257,16 @@ length, no packing) would otherwise add one per size for as long as it trains; p
 the plans are dropped and rebuilt as operands come (a plan costs microseconds to make)."""
 
 
-def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int) -> _Plan:
+def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int,
+          words: bool = False) -> _Plan:
     shape = COUNT_SHAPES["bytes" if from_bytes else "hp"]
-    cache_key = (n, dtype, fmt, from_bytes, device_index, shape)
+    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words)
     plan = _PLANS.get(cache_key)
     if plan is None:
         rows, cols, per_sm, warps = shape
         grid, iters = launch_shape(n, torch.device("cuda", device_index), rows * cols, per_sm=per_sm)
         consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
-                  from_bytes, rows, cols, iters)
+                  from_bytes, rows, cols, iters, words)
         bits_dtype = _BITS_VIEW[dtype]
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
@@ -280,12 +315,12 @@ def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.
 def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
                 bits_dtype: torch.dtype) -> Any:
-    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters = consts
+    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words = consts
     bits = x.view(bits_dtype).reshape(-1)
     qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
     return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
                            MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
-                           COLS=cols, ITERS=iters, num_warps=warps)
+                           COLS=cols, ITERS=iters, WORDS=words, num_warps=warps)
 
 
 def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,

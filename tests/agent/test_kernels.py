@@ -120,11 +120,14 @@ _SPARSE = textwrap.dedent("""
     from tests.agent.test_kernels import counted
     # Tiles of 64 x 64: most hold only mid-range bytes (the FP8-bytes variant skips them), a few
     # hold one element that overflows or underflows, at a tile's first and last element, in the
-    # tail, and next to a skipped tile.
+    # tail, and next to a skipped tile. Lengths: a multiple of 4 (every byte in a 32-bit word of
+    # the word test), and not (the last byte in no word); bytes 4-byte aligned (the word test)
+    # and not (a view one byte in: the byte-by-byte test).
     out = []
     for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            n = 7 * 4096 + 77
+        for dtype, n, offset in ((torch.bfloat16, 7 * 4096 + 77, 0), (torch.float16, 7 * 4096 + 77, 0),
+                                 (torch.float32, 7 * 4096 + 77, 0), (torch.bfloat16, 7 * 4096 + 68, 0),
+                                 (torch.bfloat16, 7 * 4096 + 77, 1), (torch.float32, 7 * 4096 + 68, 1)):
             x = torch.full((n,), 0.75, dtype=dtype)
             # thresholds fp8_max / scale: 4 (E4M3), 57344 (E5M2); 1e-6 casts to a zero byte in both
             scale = torch.tensor([fmt.fp8_max / 4.0 if fmt is Fp8Format.E4M3 else 1.0])
@@ -133,7 +136,17 @@ _SPARSE = textwrap.dedent("""
             for at in (2 * 4096 + 5, 6 * 4096, n - 2):
                 x[at] = 1e-6
             q = quantize(x, scale[0], fmt)
-            out.append([counted(x, scale, fmt, q, backend) for backend in ("triton", "torch")])
+            if offset:  # the same bytes, one byte into a larger buffer
+                q = torch.cat([torch.zeros(1, dtype=q.dtype), q])[1:]
+            assert (q.view(torch.uint8).data_ptr() % 4 == 0) == (offset == 0)
+            out.append([[4, 3]] + [counted(x, scale, fmt, q, backend) for backend in ("triton", "torch")])
+        # the only counts of the last tile in the 3 bytes past the last whole word
+        n = 2 * 4096 + 3
+        x = torch.full((n,), 0.75)
+        scale = torch.tensor([fmt.fp8_max / 4.0 if fmt is Fp8Format.E4M3 else 1.0])
+        x[n - 1], x[n - 3] = (100.0 if fmt is Fp8Format.E4M3 else 60000.0), 1e-6
+        q = quantize(x, scale[0], fmt)
+        out.append([[1, 1]] + [counted(x, scale, fmt, q, backend) for backend in ("triton", "torch")])
     print(json.dumps(out))
 """)
 
@@ -142,8 +155,8 @@ _SPARSE = textwrap.dedent("""
 def test_bytes_variant_skips_tiles_with_nothing_to_count() -> None:
     """The FP8-bytes variant skips a tile whose bytes are all mid-range; tiles with one count
     beside skipped ones, at tile edges and in the tail, count exactly as the torch path."""
-    for triton_counts, torch_counts in run_interpreted(_SPARSE, timeout=600):
-        assert triton_counts == torch_counts == [4, 3]
+    for expected, triton_counts, torch_counts in run_interpreted(_SPARSE, timeout=600):
+        assert triton_counts == torch_counts == expected
 
 
 _TABLE = textwrap.dedent("""
