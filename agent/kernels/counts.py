@@ -7,10 +7,12 @@ if its byte is +/-0, and only be an overflow if its byte is the format's maximum
 clip there; a NaN or inf byte is looked at too): the kernel reads the 1-byte FP8 tensor and fetches
 the 2-byte high-precision value only where the byte says it might count. On real tensors few bytes
 are 0 or max, so the pass reads a little over one byte per element instead of two, and a tile of
-64 x 64 bytes with none of them skips the fetch and the arithmetic (a branch per tile): on the
-H200 the 144 operands of the 604M model took 4.7 ms, where the same pass doing the arithmetic on
-every tile took 9.6 (docs/gpu.md). Without FP8 bytes it reads the high-precision tensor once,
-using the scale the cast used. The torch path gives the same integers.
+bytes with none of them skips the fetch and the arithmetic (a branch per tile). The bytes are
+tested four to a 32-bit word with integer arithmetic, and the next tile's words are loaded before
+the current one is tested. On the H200 the 144 operands of the 604M model took 3.2 ms (2.2 TB/s of
+bytes), against 4.9 ms testing them one by one and 9.6 doing the arithmetic on every tile
+(docs/gpu.md). Without FP8 bytes it reads the high-precision tensor once, using the scale the cast
+used. The torch path gives the same integers.
 
 Nothing here synchronises with the host: results accumulate into a device buffer.
 """
