@@ -171,6 +171,39 @@ def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
     return out
 
 
+def ceiling(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
+    """What bounds the FP8-bytes variant on these shapes, graph-replayed: the same launches with
+    every byte mid-range (no tile read again: the word test and its branch alone), and a plain
+    read of the same bytes by torch (``amax`` over each operand's bytes as 32-bit words, one
+    reduction per operand): the bandwidth a one-pass read of these sizes reaches here."""
+    with_bytes = [op for op in ops if op.q is not None]
+    nbytes = sum(op.q.numel() for op in with_bytes if op.q is not None)
+    dst = torch.zeros(len(with_bytes), 2, dtype=torch.int64, device="cuda")
+    clean = [Operand(op.layer, op.tensor, op.recipe, op.x, torch.full_like(op.q, 0x30), op.scale, op.scale_inv,
+                     op.fmt) for op in with_bytes if op.q is not None]
+    _run(clean, dst, "bytes")
+    no_flags = _graph_ms(clean, dst, "bytes", repeats)
+    assert int(dst.sum()) == 0  # nothing to count in mid-range bytes
+    del clean
+    words = [op.q.view(torch.int32) for op in with_bytes if op.q is not None and op.q.numel() % 4 == 0]
+    sink = torch.zeros(len(words), dtype=torch.int32, device="cuda")
+
+    def read() -> None:
+        for i, w in enumerate(words):
+            sink[i] = torch.amax(w)
+
+    read()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        read()
+    torch_ms = _best_ms(graph.replay, dst, repeats)
+    del graph
+    words_bytes = sum(w.numel() * 4 for w in words)
+    return {"GB": round(nbytes / 1e9, 3), "bytes_variant_no_flagged_tiles_ms": round(no_flags, 3),
+            "bytes_variant_no_flagged_tiles_GBps": round(nbytes / 1e6 / no_flags),
+            "torch_amax_read_ms": round(torch_ms, 3), "torch_amax_read_GBps": round(words_bytes / 1e6 / torch_ms)}
+
+
 def legacy_count_cast_into(out: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor,
                            fmt: Fp8Format, fp8_bytes: torch.Tensor | None = None) -> None:
     """``count_cast_into``'s launch path before the seventh session (docs/gpu.md): the grid,

@@ -815,7 +815,7 @@ def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
         skip("gpu_counts_kernels", f"torch not importable: {exc}")
     if not torch.cuda.is_available():
         skip("gpu_counts_kernels", "needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from bench._count_probe import compare, launch_path_ab, sweep, synthetic_operands, timing
+    from bench._count_probe import ceiling, compare, launch_path_ab, sweep, synthetic_operands, timing
     from fp8guard.agent.kernels import triton_available
 
     if not triton_available(torch.device("cuda")):
@@ -824,7 +824,8 @@ def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
     ops = synthetic_operands(layers=args.layers)
     cmp = compare(ops)
     result = {"bench": "gpu_counts_kernels", "device": torch.cuda.get_device_name(), "ok": cmp["agree"],
-              "compare": cmp, **timing(ops), "launch_path_ab": launch_path_ab(ops), "sweep": sweep(ops)}
+              "compare": cmp, **timing(ops), "launch_path_ab": launch_path_ab(ops), "sweep": sweep(ops),
+              "ceiling": ceiling(ops)}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
 
