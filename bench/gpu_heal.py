@@ -103,6 +103,8 @@ class HealConfig:
     checkpoint_every: int = 25
     count_interval: int = 10
     """Exact overflow/underflow counts every this many steps (TE: its inspection API); 0: off."""
+    count_stagger: bool = False
+    """``MonitorConfig.count_stagger``: each TE module counted at its own step of the interval."""
     harm_interval: int = 25
     """The harm probe every this many steps in both FP8 runs (plus whenever the tripwire fires);
     0 runs the policy on numerics alone, as before the probe existed."""
@@ -196,7 +198,8 @@ def train(cfg: HealConfig, mode: str, *, url: str | None, run_id: str, workdir: 
     if fp8:
         monitor = Monitor(MonitorConfig(url=url, run_id=run_id, model_name=f"byte-gpt-{cfg.n_layer}x{cfg.n_embd}",
                                         flush_interval_steps=5, command_check_interval_steps=5,
-                                        count_interval_steps=cfg.count_interval, harm_interval_steps=cfg.harm_interval,
+                                        count_interval_steps=cfg.count_interval, count_stagger=cfg.count_stagger,
+                                        harm_interval_steps=cfg.harm_interval,
                                         run_config={"bench": "gpu_heal", "mode": mode}),
                           transport=None if url else NullTransport())
     checkpoints = CheckpointManager(workdir / f"ckpt-{mode}", model=model, optimizer=opt, scheduler=sched,
@@ -315,6 +318,8 @@ def main() -> None:
     parser.add_argument("--target-linear", dest="target_linear")
     parser.add_argument("--harm-interval", dest="harm_interval", type=int)
     parser.add_argument("--count-interval", dest="count_interval", type=int)
+    parser.add_argument("--count-stagger", dest="count_stagger", action="store_true", default=None,
+                        help="count each TE module at its own step of the interval (MonitorConfig.count_stagger)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--runs", default="fp8_unguarded,fp8_guarded,bf16",
                         help=f"comma list of {', '.join(RUNS)} (in this order of training)")
@@ -339,7 +344,7 @@ def main() -> None:
         cfg = HealConfig(backend=args.backend, steps=300, n_layer=2, n_head=2, n_embd=64, block_size=64,
                          batch_size=8, incident=150, incident_batches=60, ramp_batches=20, checkpoint_every=25)
     for name in ("steps", "incident", "incident_batches", "ramp_batches", "outlier", "target_blocks", "target_linear", "lr_burst",
-                 "history", "harm_interval", "count_interval"):
+                 "history", "harm_interval", "count_interval", "count_stagger"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if cfg.backend == "te":
