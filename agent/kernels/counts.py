@@ -104,7 +104,8 @@ def _kernel() -> Any:
                     zero_or_top = (v - 0x01010101) | (v + (0x80 - MAX_CODE) * 0x01010101)
                     flagged = tl.max(tl.max(((zero_or_top & 0x80808080) != 0).to(tl.int32), axis=1), axis=0) > 0
                     # the last 1-3 bytes of a length that is not a multiple of 4 are in no word
-                    tail = (nw * 4 < n) & (start + ROWS * COLS > nw * 4) & (start < n)
+                    # (nw * 4 - start: start + ROWS * COLS could pass 2**31 for n just below it)
+                    tail = (nw * 4 < n) & (nw * 4 - start < ROWS * COLS) & (start < n)
                     go = flagged | tail
                 else:
                     mag0 = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
@@ -170,6 +171,11 @@ docs/gpu-results/gpu_counts_kernels.shapes.2026-12-03d.json): with the bytes tes
 variant (3.16 ms against 3.35 for 64 x 64, 16 and 4, the earlier default), and 16 x 128, 32 and 4
 for the high-precision one (10.1 against 11.2), with the same counts everywhere."""
 
+MAX_KERNEL_ELEMENTS = 2**30
+"""Larger operands are counted by the torch path (exact, slower, with temporaries the size of the
+operand): the kernel's element offsets are 32-bit, and a launch's last tiles run past ``n`` by up
+to a program's share, so 2**30 keeps every offset below 2**31."""
+
 BYTES_IN_WORDS = True
 """Whether the FP8-bytes variant tests its bytes four to a 32-bit word, with the next tile's
 words loaded before the current one is tested (for 4-byte-aligned bytes; False: byte by byte, the
@@ -214,7 +220,7 @@ def count_cast_into(
         use_triton = (triton_modules() is not None) if x.is_cuda else triton_available(x.device)
     else:
         use_triton = backend == "triton"
-    if not use_triton or x.dtype not in _HP_KIND or not x.is_contiguous() or (
+    if not use_triton or n > MAX_KERNEL_ELEMENTS or x.dtype not in _HP_KIND or not x.is_contiguous() or (
             fp8_bytes is not None and not fp8_bytes.is_contiguous()):
         out.add_(_torch_counts(x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes))
         return

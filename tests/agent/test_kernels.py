@@ -350,3 +350,46 @@ def test_count_launch_plans_stay_bounded_when_operand_sizes_keep_changing(monkey
     for n in range(1, 3 * counts.MAX_PLANS):
         counts._plan(n * 16, torch.bfloat16, Fp8Format.E4M3, True, 0)
         assert len(counts._PLANS) <= counts.MAX_PLANS
+
+
+_ALIGNMENT = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from fp8guard.agent.kernels import counts
+    # which launches read the bytes as 32-bit words: only bytes at a 4-byte-aligned address (a
+    # misaligned word load faults on the GPU; the interpreter would not notice)
+    seen = []
+    real = counts._launch_count
+    def spy(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts):
+        seen.append([q.data_ptr() % 4, consts[-1]])
+        return real(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
+    counts._launch_count = spy
+    x = torch.randn(4096 + 9)
+    scale = torch.tensor([1.0])
+    q = quantize(x, scale[0], Fp8Format.E4M3).view(torch.uint8)
+    base = torch.zeros(q.numel() + 8, dtype=torch.uint8)
+    for offset in range(4):
+        qq = base[offset:offset + 4096].copy_(q[:4096])
+        counts.count_cast_into(torch.zeros(2, dtype=torch.int64), x[:4096], scale=scale,
+                               scale_inv=torch.reciprocal(scale), fmt=Fp8Format.E4M3, fp8_bytes=qq)
+    print(json.dumps(seen))
+""")
+
+
+@pytest.mark.slow
+def test_bytes_are_read_as_words_only_at_aligned_addresses() -> None:
+    seen = run_interpreted(_ALIGNMENT, timeout=600)
+    assert [misaligned for misaligned, _ in seen] == [0, 1, 2, 3]
+    assert [words for _, words in seen] == [True, False, False, False]
+
+
+def test_operands_past_the_kernels_offsets_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above MAX_KERNEL_ELEMENTS the kernel's 32-bit offsets could wrap: the torch path counts."""
+    from fp8guard.agent.kernels import counts
+
+    monkeypatch.setattr(counts, "MAX_KERNEL_ELEMENTS", 100)
+    monkeypatch.setattr(counts, "_kernel", lambda: pytest.fail("the kernel was used"))
+    x, scale = _tensor(torch.bfloat16, Fp8Format.E4M3, n=300)
+    q = quantize(x, scale[0], Fp8Format.E4M3)
+    got = counted(x, scale, Fp8Format.E4M3, q, "triton")
+    assert got == _brute(x, scale, Fp8Format.E4M3, q)
