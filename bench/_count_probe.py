@@ -175,8 +175,9 @@ def ceiling(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
     """Two references for the FP8-bytes variant on these shapes, graph-replayed: the same launches
     with every byte mid-range (no tile read again: the word test and its branch alone), and torch
     reading the same bytes (``amax`` over each operand's bytes as 32-bit words, a reduction and a
-    one-element copy per operand). Neither is the GPU's peak read: a plain streaming read of these
-    sizes is not measured here."""
+    one-element copy per operand), neither of them a peak read; then a plain streaming read of the
+    same bytes (``bench/_stream_read.py``: one Triton launch per operand doing nothing but load and
+    fold, at a few launch shapes, and all the bytes in one launch), the bound of a one-read pass."""
     with_bytes = [op for op in ops if op.q is not None]
     nbytes = sum(op.q.numel() for op in with_bytes if op.q is not None)
     dst = torch.zeros(len(with_bytes), 2, dtype=torch.int64, device="cuda")
@@ -200,9 +201,13 @@ def ceiling(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
     torch_ms = _best_ms(graph.replay, dst, repeats)
     del graph
     words_bytes = sum(w.numel() * 4 for w in words)
+    from bench import _stream_read  # Triton at import: the GPU host only
+
+    stream = _stream_read.measure(words, lambda body, r: _best_ms(body, dst, r), repeats)
     return {"GB": round(nbytes / 1e9, 3), "bytes_variant_no_flagged_tiles_ms": round(no_flags, 3),
             "bytes_variant_no_flagged_tiles_GBps": round(nbytes / 1e6 / no_flags),
-            "torch_amax_read_ms": round(torch_ms, 3), "torch_amax_read_GBps": round(words_bytes / 1e6 / torch_ms)}
+            "torch_amax_read_ms": round(torch_ms, 3), "torch_amax_read_GBps": round(words_bytes / 1e6 / torch_ms),
+            "stream_read": stream}
 
 
 def legacy_count_cast_into(out: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor,

@@ -108,13 +108,14 @@ def _kernel() -> Any:
                     tail = (nw * 4 < n) & (nw * 4 - start < ROWS * COLS) & (start < n)
                     go = flagged | tail
                 else:
-                    mag0 = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
-                    go = tl.max(tl.max(((mag0 == 0) | (mag0 >= MAX_CODE)).to(tl.int32), axis=1), axis=0) > 0
+                    mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                    go = tl.max(tl.max(((mag == 0) | (mag >= MAX_CODE)).to(tl.int32), axis=1), axis=0) > 0
                 # A tile with no byte at +/-0 or the maximum counts nothing: on real tensors almost
                 # every tile (the model's rows that need a fetch: ~0.04 %), so the fetch and the
                 # arithmetic below run for the few that have one (a branch per tile, not per row).
                 if go:
-                    mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                    if WORDS:  # the bytes of a flagged tile, one by one (read once, bytewise)
+                        mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
                     zero = mag == 0
                     top = mag >= MAX_CODE
                     row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
