@@ -393,3 +393,26 @@ def test_operands_past_the_kernels_offsets_take_the_torch_path(monkeypatch: pyte
     q = quantize(x, scale[0], Fp8Format.E4M3)
     got = counted(x, scale, Fp8Format.E4M3, q, "triton")
     assert got == _brute(x, scale, Fp8Format.E4M3, q)
+
+
+_STREAM_READ = textwrap.dedent("""
+    import json, torch
+    from bench import _stream_read
+    # bench/_stream_read.py's read-only kernel (the bound the count kernel is held against) must
+    # load every word: its fold equals torch's max, at any grid, with the maximum anywhere
+    out = []
+    for n, at in ((3 * 1024 + 77, 5), (3 * 1024 + 77, 3 * 1024 + 76), (4096, 2048)):
+        w = torch.randint(-2**31, -2**20, (n,), dtype=torch.int32)  # all negative: nothing is 0
+        w[at] = -7
+        for block, iters in ((1024, 1), (1024, 4), (256, 2)):
+            sink = torch.full((1,), -2**31, dtype=torch.int32)
+            grid = -(-n // (block * iters))
+            _stream_read._read_kernel[(grid,)](w, sink, n, BLOCK=block, ITERS=iters)
+            out.append(int(sink[0]))
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_stream_read_reference_loads_every_word() -> None:
+    assert run_interpreted(_STREAM_READ, timeout=300) == [-7] * 9
