@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fp8guard.agent.emulation import Fp8EmulatedLinear, update_fp8_state
+from fp8guard.agent.emulated_linear import Fp8EmulatedLinear, update_fp8_state
 from fp8guard.agent.fp8 import compute_scale
 from fp8guard.agent.sources.base import AMAX, HISTORY_MAX, SCALE, TensorSpec
 
