@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import pickle
-import random
 import re
 import tempfile
 import time
@@ -60,6 +59,7 @@ from torch import nn
 
 from fp8guard.agent.distributed import rank_and_world
 from fp8guard.agent.errors import CheckpointError, ConfigError
+from fp8guard.agent.rng_state import capture_rng_state, restore_rng_state
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointManager", "Checkpoints", "Stateful"]
 
@@ -200,7 +200,7 @@ class CheckpointManager:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": _rng_state(),
+            "rng": capture_rng_state(),
             "data": data,
             "extra": dict(extra) if extra is not None else {},
         }
@@ -384,7 +384,7 @@ class CheckpointManager:
             self.optimizer.load_state_dict(payload["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(payload["scheduler"])
-        _set_rng_state(payload["rng"])
+        restore_rng_state(payload["rng"])
         if self._load_data_state is not None:
             self._load_data_state(dict(payload["data"]))
         return dict(payload.get("extra") or {})
@@ -463,46 +463,6 @@ def _fsync_directory(path: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _numpy() -> Any:
-    """NumPy if importable (optional: only to save and restore its global generator), else None."""
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "cuda": None, "python": random.getstate(),
-                             "numpy": None}
-    # Only when CUDA is in use: asking would otherwise initialise CUDA in a CPU-only process.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = _numpy()
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        # As a tensor and plain numbers, so weights_only loading accepts it.
-        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available():
-        n = min(len(cuda), torch.cuda.device_count())
-        for i in range(n):
-            torch.cuda.set_rng_state(cuda[i], i)
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    saved = state.get("numpy")
-    np = _numpy()
-    if saved is not None and np is not None:
-        np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
-                             saved["has_gauss"], saved["cached_gaussian"]))
 
 
 def _reset_te_modules_saved_without_fp8_state(model: nn.Module, saved: Mapping[str, Any]) -> None:
