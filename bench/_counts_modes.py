@@ -1,0 +1,72 @@
+"""The TE model with fp8guard attached and the switch between the modes that ``bench/gpu_counts.py
+time``, ``profile`` and ``parts`` compare (``_Modes``), the ``time`` modes' names, and the
+rotating order of a round's modes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from bench._te_model import Records, Shape, TEModel, require_te
+
+
+class _Modes:
+    """The TE model with fp8guard attached, and the switch between the modes ``time`` and
+    ``profile`` compare: plain FP8 (TE's debug mode off), the Monitor with counting off, counting
+    every 10th step (all modules at once, or staggered: ``MonitorConfig.count_stagger``), counting
+every step, and TE's debug path alone (counting armed, fp8guard's
+    kernel skipped)."""
+
+    def __init__(self, args: argparse.Namespace, bench: str) -> None:
+        torch, _ = require_te(bench)
+        import logging
+
+        from transformer_engine.debug.pytorch.debug_state import TEDebugState
+
+        from fp8guard.agent import Monitor, MonitorConfig, NullTransport
+        from fp8guard.agent.sources import te_inspect
+
+        self.torch, self.state, self.te_inspect = torch, TEDebugState, te_inspect
+        self.records = Records()
+        logging.getLogger("fp8guard").addHandler(self.records)
+        self.m = TEModel(Shape(layers=args.layers))
+        self.m.step()
+        torch.cuda.synchronize()
+        self.monitor = Monitor(MonitorConfig(url=None, sources=["te"], flush_interval_steps=50, count_interval_steps=0),
+                               transport=NullTransport()).attach(self.m.model, self.m.opt)
+        self.src = self.monitor.sources[0]
+        self.monitor.set_count_interval(1)  # opens TE's debug session (fp8guard owns it)
+        self.real = te_inspect.count_cast_into
+        self.mode = "plain"
+
+    @staticmethod
+    def _skip_kernel(out: Any, x: Any, **kw: Any) -> None:
+        return None
+
+    def use(self, mode: str) -> None:
+        self.mode = mode
+        self.te_inspect.count_cast_into = self._skip_kernel if mode == "debug_path_only" else self.real
+        if mode == "plain":
+            self.state.debug_enabled = False
+            return
+        self.state.debug_enabled = True
+        self.monitor.config.count_stagger = mode == "counts_every_10_staggered"
+        self.monitor.set_count_interval({"agent_no_counts": 0, "counts_every_10": 10, "counts_every_10_staggered": 10,
+                                         "counts_every_step": 1, "debug_path_only": 1}[mode])
+
+    def step(self) -> None:
+        self.m.step(None if self.mode == "plain" else self.monitor)
+
+    def restore(self) -> None:
+        self.te_inspect.count_cast_into = self.real
+
+
+_TIME_MODES = ("plain", "agent_no_counts", "counts_every_10", "counts_every_10_staggered", "counts_every_step",
+               "debug_path_only")
+
+
+def _round_order(modes: list[str], r: int) -> list[str]:
+    """Round ``r``'s order of the modes: rotated by one each round, reversed every other round,
+    so that no mode always follows the same one (its warm-up or cool-down would bias it)."""
+    order = modes[r % len(modes):] + modes[:r % len(modes)]
+    return order[::-1] if r % 2 else order
