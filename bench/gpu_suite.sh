@@ -99,7 +99,7 @@ for what in "$@"; do
           tests/agent/test_remediation.py -k "torchao or fallback or promote"
       fi ;;
     te-tests)
-      part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source.py -x ;;
+      part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source_*.py -x ;;
     tripwire-tests)
       # every test of both files: the CUDA ones (kernel against torch ops, compiled; no sync) and the
       # interpreter's (each in a fresh process)

@@ -15,7 +15,7 @@ autocast exit (forward) and after the first module's backward (backward) every r
 module's history is rolled by -1 (row -1 = the completed amax), row 0 zeroed, and the scale set to
 ``fp8_max / max(history) / 2**margin`` (kept for amax 0/inf/NaN). GEMMs compute in full
 precision: this proves the source's logic (layout, reads, switching), never TE's numerics or
-behaviour on a GPU (tests/agent/test_te_source.py checks those on a real one).
+behaviour on a GPU (tests/agent/test_te_source_*.py check those on a real one).
 """
 
 from __future__ import annotations

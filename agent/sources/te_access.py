@@ -10,7 +10,7 @@ expose the same attributes::
         source = te.discover(model, required=True)
 
 A stand-in proves the source's own logic (column layout, reads, switching), never TE's
-behaviour on a GPU: that is what ``tests/agent/test_te_source.py`` checks on a real one.
+behaviour on a GPU: that is what ``tests/agent/test_te_source_*.py`` check on a real one.
 """
 
 from __future__ import annotations

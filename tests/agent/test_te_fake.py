@@ -5,7 +5,7 @@ What this proves: the column layout, the delayed-scaling reads (latest amax, sca
 maximum, the derived amax at history length 1), the current-scaling reads and scale formula, BF16
 switching and re-promotion, and the Monitor over the source, all against TE's documented state
 rules as the stand-in implements them. What it does not prove: anything about TE itself or a
-GPU (tests/agent/test_te_source.py runs the same source on a real one and skips here).
+GPU (tests/agent/test_te_source_*.py run the same source on a real one and skip here).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ print("torch", torch.__version__, "te", transformer_engine.__version__, torch.cu
       "sm", torch.cuda.get_device_capability(), "fp8", te.is_fp8_available(),
       "block", te.is_fp8_block_scaling_available(), "source", s.__file__)
 PY
-python3 -m pytest -q -p no:cacheprovider -rA --durations=5 tests/agent/test_te_source.py "$@" 2>&1 \
+python3 -m pytest -q -p no:cacheprovider -rA --durations=5 tests/agent/test_te_source_*.py "$@" 2>&1 \
   | tee "$OUT/pytest.txt" | grep -v -E "^(PASSED|SKIPPED) " | tail -n 150
 echo "pytest exit ${PIPESTATUS[0]}"
 if [ -f tests/gpu/te_read_cost.py ]; then

@@ -11,14 +11,18 @@ from fp8guard import wire
 from fp8guard.service import Settings, create_app
 from fp8guard.service.alerts import AlertSettings, WebhookSink
 from tests.helpers import post
-from tests.service.test_alerts import SECRET, Receiver, receiver  # noqa: F401 - fixture
+from tests.service.alerting_helpers import (
+    SECRET,
+    Receiver,
+    receiver_fixture,  # noqa: F401 - fixture
+)
 
 
 def _steps(run_id: str, steps: list[int], loss: Any, **kw: Any) -> dict[str, Any]:
     return wire.make_batch(run_id=run_id, steps=[{"step": s, "loss": loss(s)} for s in steps], **kw)
 
 
-def test_loss_spike_to_rollback_command_ack_and_alert(migrated_url: str, receiver: Receiver) -> None:  # noqa: F811
+def test_loss_spike_to_rollback_command_ack_and_alert(migrated_url: str, receiver: Receiver) -> None:
     settings = Settings(database_url=migrated_url, auth="off",
                         alerts=AlertSettings(webhooks=[WebhookSink(url=receiver.url("/hook"), secret=SECRET)]))
     app = create_app(settings)
