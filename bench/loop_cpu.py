@@ -30,8 +30,8 @@ from typing import Any
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._load_bodies import Batches
 from bench.ingest import Payloads
-from bench.load import Batches
 from fp8guard.service.alerts.config import AlertSettings
 from fp8guard.service.domain import RunSpec
 from fp8guard.service.ingest.decode import decode_batch

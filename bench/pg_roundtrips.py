@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.load import PG_ADMIN_URL, Batches
+from bench._load_bodies import Batches
+from bench._load_service import PG_ADMIN_URL
 
 
 def round_trips(trace: str) -> int:
