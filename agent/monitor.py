@@ -49,13 +49,12 @@ from fp8guard.agent.telemetry import (
     LOSS_FP8,
     GradNorm,
     StepRing,
-    norm_of_grads,
 )
 from fp8guard.agent.transport import HttpTransport, NullTransport, RunInfo, Transport
 from fp8guard.agent.tripwire import Tripwire
 from fp8guard.agent.urgency import CommandBoundary
 
-__all__ = ["Monitor", "device_grad_norm"]
+__all__ = ["Monitor"]
 
 log = logging.getLogger("fp8guard.agent")
 
@@ -499,17 +498,6 @@ class Monitor:
         self._next_step = int(state["next_step"])
         self.segment = int(state["segment"])
         self._desk.applied_ids |= set(state.get("applied_commands", []))
-
-
-def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
-    """Global L2 norm of the gradients, computed on the device (no host sync); None without grads.
-
-    One ``torch._foreach_norm`` over every gradient (multi-tensor kernels where they share a
-    dtype and device), then one stack and one norm: for a one-off. A loop calling this every step
-    should build a :class:`~fp8guard.agent.telemetry.GradNorm` once and call it instead (the
-    Monitor does, :meth:`Monitor.grad_norm`): it groups the parameters once and, on CUDA with
-    Triton, builds its device tables once."""
-    return norm_of_grads([p.grad for p in params if p.grad is not None])
 
 
 def _put(slot: torch.Tensor, value: torch.Tensor | float) -> None:

@@ -24,7 +24,7 @@ from fp8guard.agent.grad_buffer import GradBuffer, device_dtype_groups
 from fp8guard.agent.kernels import TableSumOfSquares, triton_available
 from fp8guard.agent.sources.base import AMAX, COUNT_STATS, SATURATION, SCALE, STATS
 
-__all__ = ["FlushPacket", "GradNorm", "StepRing", "norm_of_grads"]
+__all__ = ["FlushPacket", "GradNorm", "StepRing", "device_grad_norm", "norm_of_grads"]
 
 LOSS, GRAD_NORM, LR, LOSS_FP8, LOSS_BF16, FP8_LOSS_GAP = range(6)
 _HARM = ("loss_fp8", "loss_bf16", "fp8_loss_gap")
@@ -327,3 +327,14 @@ def _ordered_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
         for i, n in zip(at, _foreach_norms([grads[i] for i in at]), strict=True):
             norms[i] = n
     return _norm_of(norms)
+
+
+def device_grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
+    """Global L2 norm of the gradients, computed on the device (no host sync); None without grads.
+
+    One ``torch._foreach_norm`` over every gradient (multi-tensor kernels where they share a
+    dtype and device), then one stack and one norm: for a one-off. A loop calling this every step
+    should build a :class:`GradNorm` once and call it instead (the Monitor does,
+    :meth:`~fp8guard.agent.Monitor.grad_norm`): it groups the parameters once and, on CUDA with
+    Triton, builds its device tables once."""
+    return norm_of_grads([p.grad for p in params if p.grad is not None])
