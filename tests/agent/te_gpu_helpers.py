@@ -38,12 +38,22 @@ _fp8_ok, _fp8_reason = te.is_fp8_available(return_reason=True)
 if not _fp8_ok:
     pytest.skip(f"the GPU cannot run TE FP8: {_fp8_reason}", allow_module_level=True)
 
+TE_GPU_MARKS = [
+    pytest.mark.te,
+    pytest.mark.gpu,
+    # TE and its torch integration warn about deprecations and experimental features.
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+"""Every TE GPU test module's ``pytestmark``."""
+
 from torch import nn  # noqa: E402
 
 from fp8guard.agent.sources.base import STATS  # noqa: E402
 
 __all__ = [
-    "BF16", "DEV", "E4M3_MAX", "E5M2_MAX", "Capture", "DelayedScaling", "Float8BlockScaling",
+    "BF16", "DEV", "E4M3_MAX", "E5M2_MAX", "TE_GPU_MARKS", "Capture", "DelayedScaling", "Float8BlockScaling",
     "Float8CurrentScaling", "Format", "batch", "fresh_te_state", "nn", "read", "te", "tex", "torch",
     "train_step", "two_linears",
 ]

@@ -17,6 +17,7 @@ from tests.agent.te_gpu_helpers import (
     DEV,
     E4M3_MAX,
     E5M2_MAX,
+    TE_GPU_MARKS,
     Capture,
     DelayedScaling,
     Format,
@@ -30,14 +31,7 @@ from tests.agent.te_gpu_helpers import (
     two_linears,
 )
 
-pytestmark = [
-    pytest.mark.te,
-    pytest.mark.gpu,
-    # TE and its torch integration warn about deprecations and experimental features.
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = TE_GPU_MARKS
 
 from fp8guard.agent.errors import ConfigError  # noqa: E402
 from fp8guard.agent.sources import discover_sources  # noqa: E402

@@ -21,6 +21,7 @@ from tests.agent.te_gpu_helpers import (
     DEV,
     E4M3_MAX,
     E5M2_MAX,
+    TE_GPU_MARKS,
     Capture,
     DelayedScaling,
     Float8BlockScaling,
@@ -37,14 +38,7 @@ from tests.agent.te_gpu_helpers import (
     two_linears,
 )
 
-pytestmark = [
-    pytest.mark.te,
-    pytest.mark.gpu,
-    # TE and its torch integration warn about deprecations and experimental features.
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = TE_GPU_MARKS
 
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow  # noqa: E402
 from fp8guard.agent.sources import te as te_source  # noqa: E402

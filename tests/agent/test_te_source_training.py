@@ -17,6 +17,7 @@ import pytest
 from tests.agent.te_gpu_helpers import (
     BF16,
     DEV,
+    TE_GPU_MARKS,
     DelayedScaling,
     Float8CurrentScaling,
     Format,
@@ -29,14 +30,7 @@ from tests.agent.te_gpu_helpers import (
     two_linears,
 )
 
-pytestmark = [
-    pytest.mark.te,
-    pytest.mark.gpu,
-    # TE and its torch integration warn about deprecations and experimental features.
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = TE_GPU_MARKS
 
 from fp8guard.agent.config import MonitorConfig  # noqa: E402
 from fp8guard.agent.monitor import Monitor  # noqa: E402
