@@ -47,7 +47,8 @@ class Operand:
 
 VARIANTS = ("hp", "bytes", "bytes_bytewise")
 """The high-precision variant; the FP8-bytes variant as it runs (bytes tested four to a word);
-the same with ``kernels.BYTES_IN_WORDS`` off (bytes tested one by one, the kernel before)."""
+the same with ``kernels.BYTES_IN_WORDS`` off (bytes tested one by one, as unaligned bytes are;
+since the tenth session a flagged tile's bytes are loaded once there, not twice)."""
 
 
 def _run(ops: list[Operand], dst: torch.Tensor, variant: str) -> None:

@@ -59,6 +59,8 @@ def measure(words: list[torch.Tensor], best_ms: Callable[[Callable[[], None], in
     """Graph-replayed time of reading ``words`` (int32 tensors, one launch each) at each of
     :data:`SHAPES`, then of the same bytes as one buffer in one launch at the fastest shape.
     ``best_ms(body, repeats)`` times a body (the count probe's own timer)."""
+    if not words:
+        return {"skipped": "no operand's bytes are a whole number of 32-bit words"}
     nbytes = sum(w.numel() * 4 for w in words)
     sink = torch.empty(len(words), dtype=torch.int32, device="cuda")
     expect = torch.stack([w.max() for w in words])
@@ -83,18 +85,22 @@ def measure(words: list[torch.Tensor], best_ms: Callable[[Callable[[], None], in
     out: dict[str, Any] = {"GB": round(nbytes / 1e9, 3), "launches": len(words), "per_operand": rows,
                            "best_per_operand": best}
     total = sum(w.numel() for w in words)
-    if best is not None and total >= 2**31 - 2**24:  # the kernel's offsets are 32-bit
+    if best is None:
+        out["one_launch"] = {"skipped": "no launch shape ran and matched torch's max"}
+    elif total >= 2**31 - 2**24:  # the kernel's offsets are 32-bit
         out["one_launch"] = {"skipped": f"{total} words: past the kernel's 32-bit offsets"}
-    elif best is not None:
+    else:
         block, per_sm, warps = best["shape"]
         flat = torch.cat([w.reshape(-1) for w in words])
-        one = torch.zeros(1, dtype=torch.int32, device="cuda")
+        one = torch.full((1,), torch.iinfo(torch.int32).min, dtype=torch.int32, device="cuda")
         run = _launcher([flat], one, block, per_sm, warps)
         run()
+        same = bool(one[0] == expect.max())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
         ms = best_ms(graph.replay, repeats)
         del graph, flat
-        out["one_launch"] = {"shape": best["shape"], "graph_ms": round(ms, 3), "GBps": round(nbytes / 1e6 / ms)}
+        out["one_launch"] = {"shape": best["shape"], "graph_ms": round(ms, 3), "GBps": round(nbytes / 1e6 / ms),
+                             "same_as_torch_max": same}
     return out

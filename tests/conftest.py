@@ -9,6 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
+# pytest rewrites the assertions of test files only; the shared helpers' then report like the tests'
+pytest.register_assert_rewrite("tests.helpers", "tests.fake_te", "tests.agent.interpreted",
+                               "tests.agent.remediation_helpers")
+
 POSTGRES_ENV = "FP8GUARD_TEST_POSTGRES_URL"
 
 

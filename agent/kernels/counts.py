@@ -114,7 +114,7 @@ def _kernel() -> Any:
                 # every tile (the model's rows that need a fetch: ~0.04 %), so the fetch and the
                 # arithmetic below run for the few that have one (a branch per tile, not per row).
                 if go:
-                    if WORDS:  # the bytes of a flagged tile, one by one (read once, bytewise)
+                    if WORDS:  # the flagged tile's bytes one by one (the bytewise test has them)
                         mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
                     zero = mag == 0
                     top = mag >= MAX_CODE
@@ -179,8 +179,9 @@ to a program's share, so 2**30 keeps every offset below 2**31."""
 
 BYTES_IN_WORDS = True
 """Whether the FP8-bytes variant tests its bytes four to a 32-bit word, with the next tile's
-words loaded before the current one is tested (for 4-byte-aligned bytes; False: byte by byte, the
-kernel before the ninth session). ``bench/gpu_counts.py kernels`` times both side by side."""
+words loaded before the current one is tested (for 4-byte-aligned bytes; False: byte by byte, as
+unaligned bytes always are: the ninth session's kernel less its second load of a flagged tile's
+bytes). ``bench/gpu_counts.py kernels`` times both side by side."""
 
 _LAUNCH = CompiledLaunch()
 """The count kernel's launches through its compiled handle (see :func:`_launch_count`)."""
