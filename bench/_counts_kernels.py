@@ -13,13 +13,15 @@ from bench._te_model import skip
 def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Both variants on synthetic operands of the model's 144 shapes (no TE needed): agreement
     with TE's formulas, GPU time and host enqueue cost at the default launch shape, then a sweep
-    of launch shapes (bench/_count_probe.py's SWEEP) replayed from CUDA graphs."""
+    of launch shapes (bench/_count_probe.py's SWEEP) replayed from CUDA graphs, the bounds of one
+    read (``ceiling``), and where a launch's host time goes (bench/_launch_floor.py)."""
     try:
         import torch
     except ImportError as exc:
         skip("gpu_counts_kernels", f"torch not importable: {exc}")
     if not torch.cuda.is_available():
         skip("gpu_counts_kernels", "needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from bench import _launch_floor
     from bench._count_probe import ceiling, compare, launch_path_ab, sweep, synthetic_operands, timing
     from fp8guard.agent.kernels import triton_available
 
@@ -31,5 +33,9 @@ def kernel_sweep(args: argparse.Namespace) -> dict[str, Any]:
     result = {"bench": "gpu_counts_kernels", "device": torch.cuda.get_device_name(), "ok": cmp["agree"],
               "compare": cmp, **timing(ops), "launch_path_ab": launch_path_ab(ops), "sweep": sweep(ops),
               "ceiling": ceiling(ops)}
+    try:  # new in the tenth session, not yet run on a GPU: its failure must not lose the rest
+        result["launch_floor"] = _launch_floor.measure(ops)
+    except Exception as exc:
+        result["launch_floor"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result

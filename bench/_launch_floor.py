@@ -1,0 +1,102 @@
+"""Where the host time of one count launch goes: the same 144 launches enqueued four ways, passes
+alternating in one process, host microseconds per launch.
+
+* ``count_cast_into``: fp8guard's whole path (the plan, the handle's key, the cached handle);
+* ``triton_runner``: the compiled kernel's own runner (``handle[grid](*args)``: Triton looks up
+  the device and stream, builds the launch metadata, calls its C launcher), arguments ready;
+* ``c_launcher``: Triton's C launcher called directly (``handle.run``) with the stream looked up
+  once, no hooks: what is left once no Python runs per launch but the call itself;
+* ``torch_zero``: one small torch kernel (``zero_`` on a two-element slice), for scale.
+
+The differences name each layer's share: fp8guard's Python, Triton's runner, the launch itself.
+``c_launcher`` calls a Triton-internal entry whose arguments have changed between Triton
+releases: the bench checks that it counts what ``count_cast_into`` counts and reports
+``c_launcher_error`` instead if it raises. Needs CUDA and Triton; imported by
+``bench/_counts_kernels.py`` on the GPU host only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fp8guard.agent.kernels import counts as kernels
+
+
+def _prepared(ops: list[Any], dst: torch.Tensor) -> list[tuple[Any, ...]]:
+    """Per operand with FP8 bytes: (compiled handle, grid, runtime args, constants)."""
+    kernel = kernels._kernel()
+    out = []
+    for i, op in enumerate(ops):
+        if op.q is None:
+            continue
+        n = op.x.numel()
+        words = kernels.BYTES_IN_WORDS and op.q.data_ptr() % 4 == 0
+        plan = kernels._plan(n, op.x.dtype, op.fmt, True, op.x.get_device(), words)
+        handle = kernels._jit_launch(kernel, plan.grid, plan.warps, op.x, op.q, op.scale_inv, op.scale_inv,
+                                     dst[i], n, plan.consts, plan.bits_dtype)
+        out.append((handle, plan.grid, (op.x, op.q, op.scale_inv, op.scale_inv, dst[i], n), plan.consts))
+    return out
+
+
+def measure(ops: list[Any], passes: int = 9) -> dict[str, Any]:
+    """Median host microseconds per launch of each way (see the module docstring)."""
+    dst = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
+    prepared = _prepared(ops, dst)
+    with_bytes = [(i, op) for i, op in enumerate(ops) if op.q is not None]
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def whole() -> None:
+        for i, op in with_bytes:
+            kernels.count_cast_into(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt,
+                                    fp8_bytes=op.q)
+
+    def runner() -> None:
+        for handle, grid, args, consts in prepared:
+            handle[(grid, 1, 1)](*args, *consts)
+
+    def c_launcher() -> None:
+        for handle, grid, args, consts in prepared:
+            handle.run(grid, 1, 1, stream, handle.function, handle.packed_metadata, None, None, None, *args,
+                       *consts)
+
+    def torch_zero() -> None:
+        for i, _ in with_bytes:
+            dst[i].zero_()
+
+    ways: dict[str, Callable[[], None]] = {"count_cast_into": whole, "triton_runner": runner,
+                                           "c_launcher": c_launcher, "torch_zero": torch_zero}
+    result: dict[str, Any] = {"launches": len(with_bytes), "passes": passes}
+    # the same counts through the C launcher as through fp8guard's path
+    counts: dict[str, torch.Tensor] = {}
+    for name in ("count_cast_into", "c_launcher"):
+        dst.zero_()
+        try:
+            ways[name]()
+        except Exception as exc:
+            result["c_launcher_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            del ways["c_launcher"]
+            break
+        torch.cuda.synchronize()
+        counts[name] = dst.clone()
+    if "c_launcher" in counts:
+        result["c_launcher_same_counts"] = bool(torch.equal(counts["c_launcher"], counts["count_cast_into"]))
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    names = list(ways)
+    for r in range(passes + 1):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ways[name]()
+            t = time.perf_counter() - t0
+            if r:  # the first pass warms every path
+                times[name].append(t / max(1, len(with_bytes)) * 1e6)
+    torch.cuda.synchronize()
+    for name, v in times.items():
+        v.sort()
+        result[f"host_us_per_launch_{name}"] = round(v[len(v) // 2], 2)
+        result[f"host_us_per_launch_{name}_min_max"] = [round(v[0], 2), round(v[-1], 2)]
+    return result
