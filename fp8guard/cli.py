@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import sys
 from typing import TYPE_CHECKING, Annotated
@@ -405,6 +406,19 @@ def _flush_hint(reason: str) -> str:
     if "404" in reason:
         return " (the service does not know the run, and this spool kept no registration)"
     return ""
+
+
+def _one_line_short_helps(*apps: typer.Typer) -> None:
+    """A command's summary in its group's list is its docstring's first paragraph on one line
+    (Typer's rich help keeps the docstring's line breaks there, breaking it mid-sentence)."""
+    for group in apps:
+        for info in group.registered_commands:
+            doc = info.callback.__doc__ if info.callback is not None else None
+            if info.short_help is None and info.help is None and doc:
+                info.short_help = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+
+
+_one_line_short_helps(app, db_app, runs_app, token_app, spool_app)
 
 
 def main() -> None:
