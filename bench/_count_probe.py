@@ -112,13 +112,41 @@ def _best_ms(body: Any, dst: torch.Tensor, repeats: int) -> float:
     return best
 
 
-def _graph_ms(ops: list[Operand], dst: torch.Tensor, variant: str, repeats: int) -> float:
+def replay_ms(body: Any, dst: torch.Tensor, repeats: int) -> float:
+    """``body`` captured once in a CUDA graph, then the best of ``repeats`` replays (ms)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _run(ops, dst, variant)
+        body()
     ms = _best_ms(graph.replay, dst, repeats)
     del graph
     return ms
+
+
+def _graph_ms(ops: list[Operand], dst: torch.Tensor, variant: str, repeats: int) -> float:
+    return replay_ms(lambda: _run(ops, dst, variant), dst, repeats)
+
+
+def host_us_per_launch(ways: dict[str, Any], launches: int, passes: int) -> dict[str, Any]:
+    """Host microseconds per launch of each way (a body enqueueing ``launches`` launches): passes
+    in one process, the ways' order rotated each pass so that none always follows another, the
+    first pass (warm-up) dropped; the median and the range of each way's passes."""
+    names = list(ways)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(passes + 1):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ways[name]()
+            t = time.perf_counter() - t0
+            if r:
+                times[name].append(t / max(1, launches) * 1e6)
+    torch.cuda.synchronize()
+    out: dict[str, Any] = {}
+    for name, v in times.items():
+        v.sort()
+        out[name] = round(v[len(v) // 2], 2)
+        out[f"{name}_min_max"] = [round(v[0], 2), round(v[-1], 2)]
+    return out
 
 
 def _host_us_per_launch(ops: list[Operand], dst: torch.Tensor, variant: str, fast: bool) -> float:
@@ -196,16 +224,12 @@ def ceiling(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
             sink[i] = torch.amax(w)
 
     read()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        read()
-    torch_ms = _best_ms(graph.replay, dst, repeats)
-    del graph
+    torch_ms = replay_ms(read, dst, repeats)
     words_bytes = sum(w.numel() * 4 for w in words)
     from bench import _stream_read  # Triton at import: the GPU host only
 
     try:  # new in the tenth session, not yet run on a GPU: its failure must not lose the rest
-        stream = _stream_read.measure(words, lambda body, r: _best_ms(body, dst, r), repeats)
+        stream = _stream_read.measure(words, lambda body: replay_ms(body, dst, repeats))
     except Exception as exc:
         stream = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return {"GB": round(nbytes / 1e9, 3), "bytes_variant_no_flagged_tiles_ms": round(no_flags, 3),
@@ -241,29 +265,23 @@ def launch_path_ab(ops: list[Operand], passes: int = 9) -> dict[str, Any]:
     the JIT), and whether both paths counted the same."""
     dst = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
     paths = {"current": kernels.count_cast_into, "legacy": legacy_count_cast_into}
+
+    def enqueue(fn: Any) -> None:
+        for i, op in enumerate(ops):
+            fn(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+
     out: dict[str, Any] = {"passes": passes}
     for fast in (True, False):
         kernels._LAUNCH.fast = fast
-        times: dict[str, list[float]] = {k: [] for k in paths}
         try:
-            for r in range(passes + 1):
-                for name in (list(paths) if r % 2 else list(paths)[::-1]):
-                    fn = paths[name]
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for i, op in enumerate(ops):
-                        fn(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
-                    t = time.perf_counter() - t0
-                    if r:  # the first pass fills the caches
-                        times[name].append(t / len(ops) * 1e6)
-            torch.cuda.synchronize()
+            times = host_us_per_launch({name: lambda f=fn: enqueue(f) for name, fn in paths.items()},
+                                       len(ops), passes)
         finally:
             kernels._LAUNCH.fast = True
         label = "cached_handle" if fast else "jit"
-        for name, v in times.items():
-            v.sort()
-            out[f"host_us_per_launch_{label}_{name}"] = round(v[len(v) // 2], 2)
-            out[f"host_us_per_launch_{label}_{name}_min_max"] = [round(v[0], 2), round(v[-1], 2)]
+        for name in paths:
+            out[f"host_us_per_launch_{label}_{name}"] = times[name]
+            out[f"host_us_per_launch_{label}_{name}_min_max"] = times[f"{name}_min_max"]
     a = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
     b = torch.zeros_like(a)
     for i, op in enumerate(ops):

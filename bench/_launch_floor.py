@@ -17,12 +17,12 @@ releases: the bench checks that it counts what ``count_cast_into`` counts and re
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from bench._count_probe import host_us_per_launch
 from fp8guard.agent.kernels import counts as kernels
 
 
@@ -84,19 +84,6 @@ def measure(ops: list[Any], passes: int = 9) -> dict[str, Any]:
         counts[name] = dst.clone()
     if "c_launcher" in counts:
         result["c_launcher_same_counts"] = bool(torch.equal(counts["c_launcher"], counts["count_cast_into"]))
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    names = list(ways)
-    for r in range(passes + 1):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ways[name]()
-            t = time.perf_counter() - t0
-            if r:  # the first pass warms every path
-                times[name].append(t / max(1, len(with_bytes)) * 1e6)
-    torch.cuda.synchronize()
-    for name, v in times.items():
-        v.sort()
-        result[f"host_us_per_launch_{name}"] = round(v[len(v) // 2], 2)
-        result[f"host_us_per_launch_{name}_min_max"] = [round(v[0], 2), round(v[-1], 2)]
+    for name, us in host_us_per_launch(ways, len(with_bytes), passes).items():
+        result[f"host_us_per_launch_{name}"] = us
     return result

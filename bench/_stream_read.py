@@ -23,7 +23,7 @@ SHAPES = [(1024, 16, 4), (2048, 16, 4), (2048, 32, 4), (4096, 8, 8), (4096, 16, 
 """(words per block, programs per SM, warps) tried."""
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator, unused-ignore]
 def _read_kernel(w_ptr, sink_ptr, nw, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -54,28 +54,24 @@ def _launcher(words: list[torch.Tensor], sink: torch.Tensor, block: int, per_sm:
     return run
 
 
-def measure(words: list[torch.Tensor], best_ms: Callable[[Callable[[], None], int], float],
-            repeats: int = 5) -> dict[str, Any]:
+def measure(words: list[torch.Tensor], replay_ms: Callable[[Callable[[], None]], float]) -> dict[str, Any]:
     """Graph-replayed time of reading ``words`` (int32 tensors, one launch each) at each of
     :data:`SHAPES`, then of the same bytes as one buffer in one launch at the fastest shape.
-    ``best_ms(body, repeats)`` times a body (the count probe's own timer)."""
+    ``replay_ms(body)`` captures a body in a CUDA graph and times its replays (the count probe's
+    timer)."""
     if not words:
         return {"skipped": "no operand's bytes are a whole number of 32-bit words"}
     nbytes = sum(w.numel() * 4 for w in words)
     sink = torch.empty(len(words), dtype=torch.int32, device="cuda")
     expect = torch.stack([w.max() for w in words])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for block, per_sm, warps in SHAPES:
         run = _launcher(words, sink, block, per_sm, warps)
         try:
             sink.fill_(torch.iinfo(torch.int32).min)
             run()  # compile outside the graph; the fold must equal torch's max
             same = bool(torch.equal(sink, expect))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            ms = best_ms(graph.replay, repeats)
-            del graph
+            ms = replay_ms(run)
             rows.append({"shape": [block, per_sm, warps], "graph_ms": round(ms, 3),
                          "GBps": round(nbytes / 1e6 / ms), "same_as_torch_max": same})
         except Exception as exc:
@@ -96,11 +92,8 @@ def measure(words: list[torch.Tensor], best_ms: Callable[[Callable[[], None], in
         run = _launcher([flat], one, block, per_sm, warps)
         run()
         same = bool(one[0] == expect.max())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        ms = best_ms(graph.replay, repeats)
-        del graph, flat
+        ms = replay_ms(run)
+        del flat
         out["one_launch"] = {"shape": best["shape"], "graph_ms": round(ms, 3), "GBps": round(nbytes / 1e6 / ms),
                              "same_as_torch_max": same}
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import sys
 from typing import TYPE_CHECKING, Annotated
@@ -19,8 +18,10 @@ __all__ = ["app", "main"]
 SWITCH_INTERVAL_S = 0.0005
 """``fp8guard serve``'s GIL switch interval (the default 5 ms showed in one agent's round trip: docs/benchmarks.md)."""
 
+# Markdown: a docstring's paragraph is rewrapped to the terminal (Typer's default rich mode keeps
+# the source's line breaks in the command lists, breaking summaries mid-sentence)
 app = typer.Typer(help="fp8guard: watch and heal FP8 training runs.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+                  pretty_exceptions_enable=False, rich_markup_mode="markdown")
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 runs_app = typer.Typer(help="Inspect stored runs.", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens: create (shown once), list, revoke.", no_args_is_help=True)
@@ -406,19 +407,6 @@ def _flush_hint(reason: str) -> str:
     if "404" in reason:
         return " (the service does not know the run, and this spool kept no registration)"
     return ""
-
-
-def _one_line_short_helps(*apps: typer.Typer) -> None:
-    """A command's summary in its group's list is its docstring's first paragraph on one line
-    (Typer's rich help keeps the docstring's line breaks there, breaking it mid-sentence)."""
-    for group in apps:
-        for info in group.registered_commands:
-            doc = info.callback.__doc__ if info.callback is not None else None
-            if info.short_help is None and info.help is None and doc:
-                info.short_help = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
-
-
-_one_line_short_helps(app, db_app, runs_app, token_app, spool_app)
 
 
 def main() -> None:
