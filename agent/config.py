@@ -48,7 +48,7 @@ class MonitorConfig:
     count_interval_steps: int = 0
     """Exact overflow/underflow counts every this many steps (1 = every step, 0 = never);
     counting reads every FP8 operand once more, so it costs more than the other statistics."""
-    count_stagger: bool = False
+    count_stagger: bool = True
     """Under Transformer Engine's inspection API, count each TE module at its own step of the
     ``count_interval_steps`` steps that end at a multiple of the interval (where the counts are
     read and reported), instead of every module at the multiple: every operand is still counted
@@ -56,10 +56,13 @@ class MonitorConfig:
     counted step of the 604M model on the H200, docs/gpu.md) is spread over the interval's
     steps, where a GPU-bound loop's host has room, instead of stalling one step. A report then
     holds counts taken at up to ``interval - 1`` steps before its own; the first report after
-    attach, a rollback or a cadence change waits for a whole interval. Calibration (H200, 604M
-    model, every 10th step, docs/gpu.md): on a host where TE's debug path is slow, 1.009x and
-    1.017x the plain step against 1.031x and 1.024x counting all modules at once; on a faster
-    host 1.012x either way. Opt-in until the heal bench has run with it (that later first report)."""
+    attach, a rollback or a cadence change waits for a whole interval. False counts every module
+    at the multiple (one report's counts all from one step). Calibration (H200, 604M model,
+    every 10th step, docs/gpu.md): on a host where TE's debug path is slow, 1.009x and 1.017x
+    the plain step against 1.031x and 1.024x counting all modules at once; on a faster host
+    1.012x either way. The heal bench (a 1e6 outlier, counting every 10th step) found the
+    incident one step later staggered than all at once (step 261 against 260), with the same
+    steps to apply and held-out loss within run-to-run noise, so staggering is the default."""
     sources: Sequence[SourceName] | None = None
     """Which FP8 libraries to look for; None finds whatever the model uses. Naming a source
     makes its absence an error."""

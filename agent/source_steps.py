@@ -41,6 +41,9 @@ class SourceSteps:
         """The step of the last ``arm_counts_for``."""
         self.stagger_from = 0
         """Staggered counting: the step the schedule (re)started from."""
+        self._can_stagger = any(getattr(src, "staggers_counts", False) for src in self.sources)
+        """Whether a source counts staggered (TE's inspection API); without one, ``stagger`` is
+        ignored and counts come at every multiple of the cadence, the first one included."""
 
     def end_step(self) -> None:
         """Close the step in sources whose library needs it (the emulation's scale update when the
@@ -69,7 +72,9 @@ class SourceSteps:
         ``stagger``: a source that can (TE's inspection API) counts each module at its own step
         of the ``every`` steps up to a multiple of ``every``, where the counts are read; only whole
         windows are read, so the schedule restarts (and the first read waits for a whole window)
-        after a step that does not follow the last one (a rollback) or a change of cadence."""
+        after a step that does not follow the last one (a rollback) or a change of cadence.
+        Ignored when no source staggers (the emulation, torchao, TE's module hooks)."""
+        stagger = stagger and self._can_stagger
         if (every, stagger) != self._schedule or not self._last_step <= step <= self._last_step + 1:
             self.stagger_from = step
         self._schedule, self._last_step = (every, stagger), step

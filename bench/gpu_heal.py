@@ -103,8 +103,9 @@ class HealConfig:
     checkpoint_every: int = 25
     count_interval: int = 10
     """Exact overflow/underflow counts every this many steps (TE: its inspection API); 0: off."""
-    count_stagger: bool = False
-    """``MonitorConfig.count_stagger``: each TE module counted at its own step of the interval."""
+    count_stagger: bool = True
+    """``MonitorConfig.count_stagger`` (its default): each TE module counted at its own step of the
+    interval; False counts every module at the interval's multiple."""
     harm_interval: int = 25
     """The harm probe every this many steps in both FP8 runs (plus whenever the tripwire fires);
     0 runs the policy on numerics alone, as before the probe existed."""
@@ -318,8 +319,9 @@ def main() -> None:
     parser.add_argument("--target-linear", dest="target_linear")
     parser.add_argument("--harm-interval", dest="harm_interval", type=int)
     parser.add_argument("--count-interval", dest="count_interval", type=int)
-    parser.add_argument("--count-stagger", dest="count_stagger", action="store_true", default=None,
-                        help="count each TE module at its own step of the interval (MonitorConfig.count_stagger)")
+    parser.add_argument("--count-stagger", dest="count_stagger", action=argparse.BooleanOptionalAction, default=None,
+                        help="count each TE module at its own step of the interval (MonitorConfig.count_stagger, "
+                             "the default), or with --no-count-stagger every module at the interval's multiple")
     parser.add_argument("--out", default=None)
     parser.add_argument("--runs", default="fp8_unguarded,fp8_guarded,bf16",
                         help=f"comma list of {', '.join(RUNS)} (in this order of training)")

@@ -231,6 +231,12 @@ class TESource:
                 self._current.read(out)
 
     @property
+    def staggers_counts(self) -> bool:
+        """Whether counts can be staggered over an interval (``MonitorConfig.count_stagger``):
+        through TE's inspection API, each module at its own step."""
+        return self._inspect is not None
+
+    @property
     def supports_counts(self) -> bool:
         if self._inspect is not None:
             return bool(self._inspect.targets)

@@ -257,7 +257,8 @@ class _Prepared:
     kind = "te"
     supports_counts = True
 
-    def __init__(self) -> None:
+    def __init__(self, staggers: bool = True) -> None:
+        self.staggers_counts = staggers
         self.calls: list[tuple[int, int, int | None]] = []
         self.armed: list[bool] = []
 
@@ -287,3 +288,10 @@ def test_staggered_counts_are_read_only_at_the_end_of_whole_windows() -> None:
     unstaggered = SourceSteps([_Prepared()])  # type: ignore[list-item]
     assert [s for s in range(0, 25) if (unstaggered.arm_counts_for(s, every=10, reporting=True) or
                                         unstaggered.counting)] == [0, 10, 20]
+    # a source that cannot stagger (the emulation, torchao, TE's hooks) ignores the setting: its
+    # counts come at every multiple, the first one included, and it is never told a schedule start
+    plain = _Prepared(staggers=False)
+    cannot = SourceSteps([plain])  # type: ignore[list-item]
+    assert [s for s in range(0, 25) if (cannot.arm_counts_for(s, every=10, reporting=True, stagger=True) or
+                                        cannot.counting)] == [0, 10, 20]
+    assert plain.calls[0] == (0, 10, None)
