@@ -89,8 +89,6 @@ def _kernel() -> Any:
             w_next = tl.load(qw_ptr + first + wtile, mask=first + wtile < nw, other=0x01010101)
         for i in range(ITERS):  # program pid owns tiles pid*ITERS .. pid*ITERS+ITERS-1
             start = (pid * ITERS + i) * (ROWS * COLS)
-            offs = start + tile
-            inside = offs < n
             if FROM_BYTES:
                 if WORDS:
                     w = w_next
@@ -102,12 +100,15 @@ def _kernel() -> Any:
                     # lowest zero byte turns 0xFF; without one, no byte borrows and each stays
                     # below 0x80); a byte is >= MAX_CODE <=> adding 0x80 - MAX_CODE sets its top bit
                     zero_or_top = (v - 0x01010101) | (v + (0x80 - MAX_CODE) * 0x01010101)
-                    flagged = tl.max(tl.max(((zero_or_top & 0x80808080) != 0).to(tl.int32), axis=1), axis=0) > 0
+                    # (the top bits themselves folded: no per-word compare or conversion)
+                    flagged = tl.max(tl.max(zero_or_top & 0x80808080, axis=1), axis=0) != 0
                     # the last 1-3 bytes of a length that is not a multiple of 4 are in no word
                     # (nw * 4 - start: start + ROWS * COLS could pass 2**31 for n just below it)
                     tail = (nw * 4 < n) & (nw * 4 - start < ROWS * COLS) & (start < n)
                     go = flagged | tail
                 else:
+                    offs = start + tile
+                    inside = offs < n
                     mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
                     go = tl.max(tl.max(((mag == 0) | (mag >= MAX_CODE)).to(tl.int32), axis=1), axis=0) > 0
                 # A tile with no byte at +/-0 or the maximum counts nothing: on real tensors almost
@@ -115,6 +116,9 @@ def _kernel() -> Any:
                 # arithmetic below run for the few that have one (a branch per tile, not per row).
                 if go:
                     if WORDS:  # the flagged tile's bytes one by one (the bytewise test has them)
+                        # (the tile's element offsets only here: a clean tile computes none)
+                        offs = start + tile
+                        inside = offs < n
                         mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
                     zero = mag == 0
                     top = mag >= MAX_CODE
@@ -132,6 +136,8 @@ def _kernel() -> Any:
                     over += tl.sum((big & top & need).to(tl.int32), axis=1)
                     under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
             else:
+                offs = start + tile
+                inside = offs < n
                 bits = tl.load(x_ptr + offs, mask=inside, other=0)
                 nonzero = (bits & NZ_MASK) != 0
                 # float32 bit patterns by integer moves (BF16 is the top half of a float32), so no
@@ -247,13 +253,21 @@ def count_cast_into(
 
 class _Plan(NamedTuple):
     """What a launch on a CUDA tensor depends on besides the addresses: the grid, the warps, the
-    constants and the part of the compiled handle's key that only the shape decides."""
+    constants and the part of the compiled handle's key that only the shape decides, as a small
+    integer (:data:`_KEY_IDS`) so that a launch's key is one integer, not a tuple hashed anew."""
 
     grid: int
     warps: int
     consts: tuple[Any, ...]
     bits_dtype: torch.dtype
-    key: tuple[Any, ...]
+    key: int
+
+
+_KEY_IDS: dict[tuple[Any, ...], int] = {}
+"""The shape-decided part of a compiled handle's key (constants, dtypes, warps, device, the
+element count's divisibility by 16, equality to 1 and width) -> a small integer. As many as the
+kernel has specialisations (a few dozen at most), and never dropped: two plans with the same
+part share the id, so their launches share the compiled handle."""
 
 
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
@@ -281,18 +295,22 @@ def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_i
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
         key = (consts, bits_dtype, q_size, warps, device_index, n % 16 == 0, n == 1, n >= 2**31)
+        key_id = _KEY_IDS.setdefault(key, len(_KEY_IDS))
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[cache_key] = _Plan(grid, warps, consts, bits_dtype, key)
+        plan = _PLANS[cache_key] = _Plan(grid, warps, consts, bits_dtype, key_id)
     return plan
 
 
 def _launch_planned(kernel: Any, plan: _Plan, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     scale_inv: torch.Tensor, out: torch.Tensor, n: int) -> None:
-    """:func:`_launch_count` for a CUDA tensor with its plan: the same key, the same launch."""
-    key = (plan.key[0], plan.key[1], plan.key[2], plan.key[3], plan.key[4],
-           (x.data_ptr() % 16 == 0, q.data_ptr() % 16 == 0, scale.data_ptr() % 16 == 0,
-            scale_inv.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0), *plan.key[5:])
+    """:func:`_launch_count` for a CUDA tensor with its plan: what decides the compiled kernel
+    (the plan's key id, and which of the five addresses are 16-byte aligned, one bit each) as one
+    integer key, the same launch. Planned keys are negative, so they never meet the tuples
+    :func:`_launch_count` uses in the same cache."""
+    key = -1 - (plan.key << 5 | (x.data_ptr() & 15 == 0) | (q.data_ptr() & 15 == 0) << 1
+                | (scale.data_ptr() & 15 == 0) << 2 | (scale_inv.data_ptr() & 15 == 0) << 3
+                | (out.data_ptr() & 15 == 0) << 4)
     grid, warps, consts, bits_dtype = plan.grid, plan.warps, plan.consts, plan.bits_dtype
     _LAUNCH(grid, (x, q, scale, scale_inv, out, n), consts,
             lambda: _jit_launch(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts, bits_dtype), key=key)
