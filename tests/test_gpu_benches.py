@@ -29,7 +29,8 @@ def _run(*args: str, timeout: int = 600) -> dict:  # type: ignore[type-arg]
                                     ["bench/gpu_counts.py", "kernels"], ["bench/gpu_counts.py", "profile"],
                                     ["bench/gpu_counts.py", "parts"],
                                     ["bench/gpu_overhead.py"], ["bench/gpu_heal.py"], ["bench/gpu_dist.py"],
-                                    ["bench/gpu_torchao.py"]])
+                                    ["bench/gpu_torchao.py"],
+                                    ["bench/gpu_count_kernel_ab.py", "--old", "agent/kernels/counts.py"]])
 def test_gpu_benches_skip_cleanly_without_a_gpu(script: list[str]) -> None:
     line = _run(*script, timeout=120)
     assert "skipped" in line and "GPU" in line["skipped"]

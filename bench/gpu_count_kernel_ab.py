@@ -1,0 +1,99 @@
+"""The count kernel side by side with another version of it: the same 144 synthetic operands of
+the 604M model (``bench/_count_probe.py``), the same counts required, graph-replayed, rounds
+alternating in one process. For a kernel change, before it lands or after:
+
+    git show <rev>:agent/kernels/counts.py > /tmp/counts_old.py
+    python3 bench/gpu_count_kernel_ab.py --old /tmp/counts_old.py --out DIR
+
+Three ways each: the real bytes (words), the bytes with no tile flagged (every byte mid-range:
+the word test alone), the bytes tested one by one (``BYTES_IN_WORDS`` off). Needs CUDA and
+Triton, no Transformer Engine. Prints one JSON line and writes ``gpu_count_kernel_ab.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _load(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fp8guard_counts_other", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--old {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
+    import torch
+
+    from bench import _count_probe as probe
+    from bench._te_model import skip
+    from fp8guard.agent.kernels import counts as new
+    from fp8guard.agent.kernels import triton_available
+
+    if not torch.cuda.is_available() or not triton_available(torch.device("cuda")):
+        skip("gpu_count_kernel_ab", "needs a CUDA GPU and Triton")
+    old = _load(old_path)
+    ops = [op for op in probe.synthetic_operands() if op.q is not None]
+    clean = [probe.Operand(op.layer, op.tensor, op.recipe, op.x, torch.full_like(op.q, 0x30), op.scale,
+                           op.scale_inv, op.fmt) for op in ops]
+    dst = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
+
+    def body(module: ModuleType, which: list[Any], words: bool = True) -> Callable[[], None]:
+        def run() -> None:
+            before, module.BYTES_IN_WORDS = module.BYTES_IN_WORDS, words
+            try:
+                for i, op in enumerate(which):
+                    module.count_cast_into(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt,
+                                           fp8_bytes=op.q)
+            finally:
+                module.BYTES_IN_WORDS = before
+        return run
+
+    got = {}
+    for name, module in (("old", old), ("new", new)):
+        dst.zero_()
+        body(module, ops)()
+        torch.cuda.synchronize()
+        got[name] = dst.clone()
+    ways = {"old": body(old, ops), "new": body(new, ops), "old_clean": body(old, clean),
+            "new_clean": body(new, clean), "old_bytewise": body(old, ops, False), "new_bytewise": body(new, ops, False)}
+    for run in ways.values():
+        run()  # compile outside the graphs
+    rows = []
+    for r in range(rounds):
+        order = list(ways.items()) if r % 2 == 0 else list(reversed(ways.items()))
+        rows.append({name: round(probe.replay_ms(run, dst, repeats), 3) for name, run in order})
+    median = {name: statistics.median(row[name] for row in rows) for name in ways}
+    nbytes = sum(op.q.numel() for op in ops)
+    return {"bench": "gpu_count_kernel_ab", "device": torch.cuda.get_device_name(), "old": old_path,
+            "same_counts": bool(torch.equal(got["old"], got["new"])), "rounds": rows, "median_ms": median,
+            "GBps": {name: round(nbytes / 1e6 / ms) for name, ms in median.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="another version's agent/kernels/counts.py")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None, help="folder for gpu_count_kernel_ab.json")
+    args = parser.parse_args()
+    result = measure(args.old, args.rounds)
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_count_kernel_ab.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
