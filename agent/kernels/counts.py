@@ -11,8 +11,8 @@ bytes with none of them skips the fetch and the arithmetic (a branch per tile). 
 tested four to a 32-bit word with integer arithmetic, and the next tile's words are loaded before
 the current one is tested. On the H200 the 144 operands of the 604M model took 3.2 ms (2.2 TB/s of
 bytes), against 4.4 ms testing them one by one and 10.1 doing the arithmetic on every tile, and
-2.0 ms for a plain streaming read of the same bytes (docs/gpu.md). Without FP8 bytes it reads the high-precision tensor once, using the scale the cast
-used. The torch path gives the same integers.
+2.0 ms for a plain streaming read of the same bytes (docs/gpu.md). Without FP8 bytes it reads the
+high-precision tensor once, using the scale the cast used. The torch path gives the same integers.
 
 Nothing here synchronises with the host: results accumulate into a device buffer.
 """
@@ -266,8 +266,9 @@ class _Plan(NamedTuple):
 _KEY_IDS: dict[tuple[Any, ...], int] = {}
 """The shape-decided part of a compiled handle's key (constants, dtypes, warps, device, the
 element count's divisibility by 16, equality to 1 and width) -> a small integer. As many as the
-kernel has specialisations (a few dozen at most), and never dropped: two plans with the same
-part share the id, so their launches share the compiled handle."""
+kernel has specialisations (tens in a run; a few hundred with every launch shape the bench
+sweeps), and never dropped: two plans with the same part share the id, so their launches share
+the compiled handle."""
 
 
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
