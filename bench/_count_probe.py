@@ -253,8 +253,9 @@ def legacy_count_cast_into(out: torch.Tensor, x: torch.Tensor, *, scale: torch.T
     n = x.numel()
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
     q = fp8_bytes if fp8_bytes is not None else x
-    consts = kernels._consts(fmt, x.dtype, fp8_bytes is not None, rows, cols, iters,
-                             fp8_bytes is not None and kernels.BYTES_IN_WORDS and q.data_ptr() % 4 == 0)
+    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, kernels._MAX_CODE[fmt], kernels._NONZERO_MASK[x.dtype],
+              kernels._HP_KIND[x.dtype], fp8_bytes is not None, rows, cols, iters,
+              fp8_bytes is not None and kernels.BYTES_IN_WORDS and q.data_ptr() % 4 == 0)
     kernels._launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 

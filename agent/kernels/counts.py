@@ -55,8 +55,7 @@ def _kernel() -> Any:
     def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
                      FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
                      NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr,
-                     CHUNK: tl.constexpr):
+                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr):
         # A tile is ROWS x COLS consecutive elements. From FP8 bytes, the high-precision values of
         # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
         # predicate is uniform along the row, so the fetch stays a vectorised load.
@@ -88,103 +87,82 @@ def _kernel() -> Any:
             first = pid * ITERS * (ROWS * COLS // 4)
             # masked words read as 0x01 bytes: nonzero, below the maximum: nothing to count
             w_next = tl.load(qw_ptr + first + wtile, mask=first + wtile < nw, other=0x01010101)
-        # program pid owns tiles pid*ITERS .. pid*ITERS+ITERS-1, in ITERS // CHUNK chunks of CHUNK
-        for c in range(ITERS // CHUNK):
-            if WORDS == 2:
-                # Deferred flags: the chunk's words are only loaded and tested, each tile's verdict
-                # kept as one bit (tile k of the chunk: bit k) in every thread's own registers;
-                # one reduction over the program then gives the chunk's flagged tiles, instead of
-                # one reduction (shared memory and a barrier) per tile.
-                flag_bits = tl.zeros([ROWS, COLS // 4], dtype=tl.int32)
-                for k in range(CHUNK):
+        for i in range(ITERS):  # program pid owns tiles pid*ITERS .. pid*ITERS+ITERS-1
+            start = (pid * ITERS + i) * (ROWS * COLS)
+            if FROM_BYTES:
+                if WORDS:
                     w = w_next
-                    nxt = first + (c * CHUNK + k + 1) * (ROWS * COLS // 4) + wtile
-                    w_next = tl.load(qw_ptr + nxt, mask=(nxt < nw) & (c * CHUNK + k + 1 < ITERS), other=0x01010101)
-                    v = w.to(tl.uint32, bitcast=True) & 0x7F7F7F7F  # the per-tile test's, below
+                    nxt = first + (i + 1) * (ROWS * COLS // 4) + wtile
+                    w_next = tl.load(qw_ptr + nxt, mask=(nxt < nw) & (i + 1 < ITERS), other=0x01010101)
+                    # the magnitudes; each byte <= 0x7F, so no carry leaves a byte below
+                    v = w.to(tl.uint32, bitcast=True) & 0x7F7F7F7F
+                    # some byte of v is 0 <=> subtracting 1 from every byte sets a top bit (the
+                    # lowest zero byte turns 0xFF; without one, no byte borrows and each stays
+                    # below 0x80); a byte is >= MAX_CODE <=> adding 0x80 - MAX_CODE sets its top bit
                     zero_or_top = (v - 0x01010101) | (v + (0x80 - MAX_CODE) * 0x01010101)
-                    flag_bits = flag_bits | (((zero_or_top & 0x80808080) != 0).to(tl.int32) << k)
-                chunk_bits = tl.reduce_or(tl.reduce_or(flag_bits, axis=1), axis=0)
-            for k in range(CHUNK):
-                i = c * CHUNK + k
-                start = (pid * ITERS + i) * (ROWS * COLS)
-                if FROM_BYTES:
-                    if WORDS:
-                        if WORDS == 2:
-                            flagged = ((chunk_bits >> k) & 1) != 0
-                        else:  # the tile's words tested, then reduced over the program, per tile
-                            w = w_next
-                            nxt = first + (i + 1) * (ROWS * COLS // 4) + wtile
-                            w_next = tl.load(qw_ptr + nxt, mask=(nxt < nw) & (i + 1 < ITERS), other=0x01010101)
-                            # the magnitudes; each byte <= 0x7F, so no carry leaves a byte below
-                            v = w.to(tl.uint32, bitcast=True) & 0x7F7F7F7F
-                            # some byte of v is 0 <=> subtracting 1 from every byte sets a top bit
-                            # (the lowest zero byte turns 0xFF; without one, no byte borrows and each
-                            # stays below 0x80); a byte is >= MAX_CODE <=> adding 0x80 - MAX_CODE
-                            # sets its top bit
-                            zero_or_top = (v - 0x01010101) | (v + (0x80 - MAX_CODE) * 0x01010101)
-                            # (the top bits themselves folded: no per-word compare or conversion)
-                            flagged = tl.max(tl.max(zero_or_top & 0x80808080, axis=1), axis=0) != 0
-                        # the last 1-3 bytes of a length that is not a multiple of 4 are in no word
-                        # (nw * 4 - start: start + ROWS * COLS could pass 2**31 for n just below it)
-                        tail = (nw * 4 < n) & (nw * 4 - start < ROWS * COLS) & (start < n)
-                        go = flagged | tail
-                    else:
-                        offs = start + tile
-                        inside = offs < n
-                        mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
-                        go = tl.max(tl.max(((mag == 0) | (mag >= MAX_CODE)).to(tl.int32), axis=1), axis=0) > 0
-                    # A tile with no byte at +/-0 or the maximum counts nothing: on real tensors almost
-                    # every tile (the model's rows that need a fetch: ~0.04 %), so the fetch and the
-                    # arithmetic below run for the few that have one (a branch per tile, not per row).
-                    if go:
-                        if WORDS:  # the flagged tile's bytes one by one (the bytewise test has them)
-                            # (the tile's element offsets only here: a clean tile computes none)
-                            offs = start + tile
-                            inside = offs < n
-                            mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
-                        zero = mag == 0
-                        top = mag >= MAX_CODE
-                        row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
-                        need = inside & row_needs[:, None]
-                        bits = tl.load(x_ptr + offs, mask=need, other=0)
-                        nonzero = (bits & NZ_MASK) != 0
-                        if HP_KIND == 0:
-                            x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                        elif HP_KIND == 1:
-                            x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                        else:
-                            x = bits.to(tl.float32, bitcast=True)
-                        big = tl.abs(x) > thr  # NaN compares false, as in TE
-                        over += tl.sum((big & top & need).to(tl.int32), axis=1)
-                        under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
+                    # (the top bits themselves folded: no per-word compare or conversion)
+                    flagged = tl.max(tl.max(zero_or_top & 0x80808080, axis=1), axis=0) != 0
+                    # the last 1-3 bytes of a length that is not a multiple of 4 are in no word
+                    # (nw * 4 - start: start + ROWS * COLS could pass 2**31 for n just below it)
+                    tail = (nw * 4 < n) & (nw * 4 - start < ROWS * COLS) & (start < n)
+                    go = flagged | tail
                 else:
                     offs = start + tile
                     inside = offs < n
-                    bits = tl.load(x_ptr + offs, mask=inside, other=0)
+                    mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                    go = tl.max(tl.max(((mag == 0) | (mag >= MAX_CODE)).to(tl.int32), axis=1), axis=0) > 0
+                # A tile with no byte at +/-0 or the maximum counts nothing: on real tensors almost
+                # every tile (the model's rows that need a fetch: ~0.04 %), so the fetch and the
+                # arithmetic below run for the few that have one (a branch per tile, not per row).
+                if go:
+                    if WORDS:  # the flagged tile's bytes one by one (the bytewise test has them)
+                        # (the tile's element offsets only here: a clean tile computes none)
+                        offs = start + tile
+                        inside = offs < n
+                        mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                    zero = mag == 0
+                    top = mag >= MAX_CODE
+                    row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
+                    need = inside & row_needs[:, None]
+                    bits = tl.load(x_ptr + offs, mask=need, other=0)
                     nonzero = (bits & NZ_MASK) != 0
-                    # float32 bit patterns by integer moves (BF16 is the top half of a float32), so no
-                    # conversion instruction can flush a subnormal input to zero
                     if HP_KIND == 0:
-                        b32 = bits.to(tl.int32) << 16
-                        x = b32.to(tl.float32, bitcast=True)
-                    elif HP_KIND == 1:  # every float16 value, subnormals included, is a normal float32
+                        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                    elif HP_KIND == 1:
                         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                        b32 = x.to(tl.int32, bitcast=True)
                     else:
-                        b32 = bits
                         x = bits.to(tl.float32, bitcast=True)
                     big = tl.abs(x) > thr  # NaN compares false, as in TE
-                    over += tl.sum(big.to(tl.int32), axis=1)
-                    # TE's cast rounds the float32 product x * scale; a zero byte is |product| <= half
-                    # the smallest subnormal (the tie rounds to even: zero). A subnormal float32 x
-                    # (|x| < 2**-126) goes through its integer significand m: x * scale equals
-                    # (m * 2**-40 * scale) * 2**-109, and the comparison moves by the same power of
-                    # two, which is exact: no flush-to-zero multiply can decide it.
-                    mant = b32 & 0x7FFFFF
-                    x_sub = ((b32 & 0x7FFFFFFF) < 0x00800000) & (mant != 0)
-                    small = tl.where(x_sub, tl.abs((mant.to(tl.float32) * 9.094947017729282e-13) * scale) <= HALF_SUB * 6.490371073168535e+32,
-                                     tl.abs(x * scale) <= HALF_SUB)
-                    under += tl.sum((nonzero & small).to(tl.int32), axis=1)
+                    over += tl.sum((big & top & need).to(tl.int32), axis=1)
+                    under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
+            else:
+                offs = start + tile
+                inside = offs < n
+                bits = tl.load(x_ptr + offs, mask=inside, other=0)
+                nonzero = (bits & NZ_MASK) != 0
+                # float32 bit patterns by integer moves (BF16 is the top half of a float32), so no
+                # conversion instruction can flush a subnormal input to zero
+                if HP_KIND == 0:
+                    b32 = bits.to(tl.int32) << 16
+                    x = b32.to(tl.float32, bitcast=True)
+                elif HP_KIND == 1:  # every float16 value, subnormals included, is a normal float32
+                    x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+                    b32 = x.to(tl.int32, bitcast=True)
+                else:
+                    b32 = bits
+                    x = bits.to(tl.float32, bitcast=True)
+                big = tl.abs(x) > thr  # NaN compares false, as in TE
+                over += tl.sum(big.to(tl.int32), axis=1)
+                # TE's cast rounds the float32 product x * scale; a zero byte is |product| <= half
+                # the smallest subnormal (the tie rounds to even: zero). A subnormal float32 x
+                # (|x| < 2**-126) goes through its integer significand m: x * scale equals
+                # (m * 2**-40 * scale) * 2**-109, and the comparison moves by the same power of
+                # two, which is exact: no flush-to-zero multiply can decide it.
+                mant = b32 & 0x7FFFFF
+                x_sub = ((b32 & 0x7FFFFFFF) < 0x00800000) & (mant != 0)
+                small = tl.where(x_sub, tl.abs((mant.to(tl.float32) * 9.094947017729282e-13) * scale) <= HALF_SUB * 6.490371073168535e+32,
+                                 tl.abs(x * scale) <= HALF_SUB)
+                under += tl.sum((nonzero & small).to(tl.int32), axis=1)
         tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
         tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
 
@@ -211,30 +189,8 @@ words loaded before the current one is tested (for 4-byte-aligned bytes; False: 
 unaligned bytes always are: the ninth session's kernel less its second load of a flagged tile's
 bytes). ``bench/gpu_counts.py kernels`` times both side by side."""
 
-DEFER_FLAGS = True
-"""Whether the words are tested a chunk of up to 32 tiles at a time, each tile's verdict kept as a
-bit and reduced over the program once per chunk (False: one reduction and branch per tile, the
-ninth-to-eleventh sessions' kernel). Needs ``tl.reduce_or`` (Triton 3.3 and later; without it,
-per tile). ``bench/gpu_count_kernel_ab.py`` and ``bench/gpu_counts.py kernels`` time both."""
-
-MAX_CHUNK = 32
-"""Tiles per deferred-flag chunk at most: one bit each in a 32-bit register."""
-
 _LAUNCH = CompiledLaunch()
 """The count kernel's launches through its compiled handle (see :func:`_launch_count`)."""
-
-
-def _consts(fmt: Fp8Format, dtype: torch.dtype, from_bytes: bool, rows: int, cols: int, iters: int,
-            words: bool) -> tuple[Any, ...]:
-    """The kernel's constexpr values in signature order (the bytes' test mode ``WORDS``: 0 byte
-    by byte, 1 in words per tile, 2 in words with deferred flags; ``CHUNK`` tiles per chunk)."""
-    mode = 0
-    if words:
-        modules = triton_modules()
-        mode = 2 if DEFER_FLAGS and modules is not None and hasattr(modules[1], "reduce_or") else 1
-    chunk = min(iters, MAX_CHUNK) if mode == 2 else 1
-    return (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
-            from_bytes, rows, cols, iters, mode, chunk)
 
 
 def count_cast_into(
@@ -290,7 +246,8 @@ def count_cast_into(
     # Up to per_sm programs per multiprocessor (enough loads in flight to stream at memory
     # bandwidth), each looping over its tiles; two atomics per program.
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
-    consts = _consts(fmt, x.dtype, from_bytes, rows, cols, iters, words)
+    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
+              from_bytes, rows, cols, iters, words)
     _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -328,12 +285,13 @@ the plans are dropped and rebuilt as operands come (a plan costs microseconds to
 def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int,
           words: bool = False) -> _Plan:
     shape = COUNT_SHAPES["bytes" if from_bytes else "hp"]
-    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words, DEFER_FLAGS)
+    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words)
     plan = _PLANS.get(cache_key)
     if plan is None:
         rows, cols, per_sm, warps = shape
         grid, iters = launch_shape(n, torch.device("cuda", device_index), rows * cols, per_sm=per_sm)
-        consts = _consts(fmt, dtype, from_bytes, rows, cols, iters, words)
+        consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
+                  from_bytes, rows, cols, iters, words)
         bits_dtype = _BITS_VIEW[dtype]
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
@@ -386,12 +344,12 @@ def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.
 def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
                 bits_dtype: torch.dtype) -> Any:
-    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words, chunk = consts
+    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words = consts
     bits = x.view(bits_dtype).reshape(-1)
     qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
     return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
                            MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
-                           COLS=cols, ITERS=iters, WORDS=words, CHUNK=chunk, num_warps=warps)
+                           COLS=cols, ITERS=iters, WORDS=words, num_warps=warps)
 
 
 def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,

@@ -152,56 +152,11 @@ _SPARSE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("defer", [True, False])
-def test_bytes_variant_skips_tiles_with_nothing_to_count(defer: bool) -> None:
+def test_bytes_variant_skips_tiles_with_nothing_to_count() -> None:
     """The FP8-bytes variant skips a tile whose bytes are all mid-range; tiles with one count
-    beside skipped ones, at tile edges and in the tail, count exactly as the torch path: with the
-    tiles' flags deferred to one reduction per chunk (the default) and reduced per tile."""
-    script = f"from fp8guard.agent.kernels import counts; counts.DEFER_FLAGS = {defer}\n" + _SPARSE
-    for expected, triton_counts, torch_counts in run_interpreted(script, timeout=600):
+    beside skipped ones, at tile edges and in the tail, count exactly as the torch path."""
+    for expected, triton_counts, torch_counts in run_interpreted(_SPARSE, timeout=600):
         assert triton_counts == torch_counts == expected
-
-
-_CHUNKS = textwrap.dedent("""
-    import json, torch
-    from fp8guard.agent.fp8 import Fp8Format, quantize
-    from fp8guard.agent.kernels import counts
-    from tests.agent.test_kernels import counted
-    # 281 tiles of 32 x 64 bytes over the interpreter's 4 programs: 128 tiles a program, four
-    # chunks of 32 with deferred flags. Counts in the first and last tile of a chunk, in a later
-    # chunk only, in the last program's partial chunk and in the 3 bytes past the last word.
-    seen = []
-    real = counts._launch_count
-    def spy(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts):
-        seen.append(consts[-3:])  # ITERS, WORDS, CHUNK
-        return real(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
-    counts._launch_count = spy
-    tile = 32 * 64
-    n = 280 * tile + 7
-    x = torch.full((n,), 0.75)
-    fmt = Fp8Format.E4M3
-    scale = torch.tensor([fmt.fp8_max / 4.0])
-    for at in (0, 31 * tile + tile - 1, 32 * tile, 97 * tile + 5, 200 * tile + 100, n - 1):
-        x[at] = 100.0
-    for at in (63 * tile + 7, 129 * tile, 279 * tile + 2047, n - 3):
-        x[at] = 1e-6
-    q = quantize(x, scale[0], fmt)
-    out = {}
-    for defer in (True, False):
-        counts.DEFER_FLAGS = defer
-        out[str(defer)] = [counted(x, scale, fmt, q, backend) for backend in ("triton", "torch")]
-    print(json.dumps({"counts": out, "consts": seen}))
-""")
-
-
-@pytest.mark.slow
-def test_deferred_flags_count_every_chunk_exactly() -> None:
-    """Tiles flagged in every chunk of a program's run (one reduction per 32 tiles) count what
-    the torch path and the per-tile reduction count."""
-    got = run_interpreted(_CHUNKS, timeout=600)
-    assert got["consts"] == [[128, 2, 32], [128, 1, 1]]
-    for triton_counts, torch_counts in got["counts"].values():
-        assert triton_counts == torch_counts == [6, 4]
 
 
 _TABLE = textwrap.dedent("""
@@ -406,7 +361,7 @@ _ALIGNMENT = textwrap.dedent("""
     seen = []
     real = counts._launch_count
     def spy(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts):
-        seen.append([q.data_ptr() % 4, consts[-2] > 0])  # WORDS: 0 byte by byte, 1-2 in words
+        seen.append([q.data_ptr() % 4, consts[-1]])
         return real(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
     counts._launch_count = spy
     x = torch.randn(4096 + 9)
