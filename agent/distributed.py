@@ -1,14 +1,15 @@
-"""Rank awareness: who am I, and one run identity shared by every rank."""
+"""Rank awareness: who am I, one run identity shared by every rank, and which ranks report."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import time
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
-__all__ = ["rank_and_world", "shared_run_id"]
+__all__ = ["command_rank", "rank_and_world", "reports", "shared_run_id"]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -28,3 +29,26 @@ def shared_run_id(run_id: str | None) -> str:
         dist.broadcast_object_list(box, src=0)
         made = str(box[0])
     return made
+
+
+def reports(report_ranks: str | Sequence[int], rank: int, source_kinds: Sequence[str]) -> bool:
+    """Whether ``rank`` sends telemetry under ``MonitorConfig.report_ranks``. ``auto``: every
+    rank, except that under Transformer Engine (which all-reduces amaxes over the data-parallel
+    group, so replicas would send identical data) only rank 0."""
+    if report_ranks == "all":
+        return True
+    if report_ranks == "zero":
+        return rank == 0
+    if report_ranks == "auto":
+        return rank == 0 or "te" not in source_kinds
+    return rank in set(report_ranks)
+
+
+def command_rank(report_ranks: str | Sequence[int], world_size: int) -> int:
+    """The lowest reporting rank, the same on every rank (``report_ranks`` is per-run config;
+    ``auto`` reports from rank 0, or from every rank): a list without rank 0 (say the last
+    pipeline stage, which holds the loss) makes commands travel from its lowest rank."""
+    if isinstance(report_ranks, str):
+        return 0
+    ranks = [r for r in report_ranks if r < world_size]
+    return min(ranks) if ranks else 0

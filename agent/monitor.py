@@ -33,7 +33,7 @@ from fp8guard.agent.command_desk import CommandDesk
 from fp8guard.agent.command_listener import CommandListener
 from fp8guard.agent.commands import Command, CommandHandler
 from fp8guard.agent.config import MonitorConfig
-from fp8guard.agent.distributed import rank_and_world, shared_run_id
+from fp8guard.agent.distributed import command_rank, rank_and_world, reports, shared_run_id
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.grad_buffer import GradBuffer
 from fp8guard.agent.harm import HarmProbe, LossFn
@@ -139,8 +139,8 @@ class Monitor:
         self.run_id = shared_run_id(cfg.run_id)
         self._sources = discover_sources(model, cfg.sources)
         self._steps = SourceSteps(self._sources)
-        self.reporting = self._decide_reporting()
-        self.command_rank = self._command_rank()
+        self.reporting = reports(cfg.report_ranks, self.rank, [src.kind for src in self._sources])
+        self.command_rank = command_rank(cfg.report_ranks, self.world_size)
         self._specs = [spec for src in self._sources for spec in src.tensors()]
         start = 0
         for src in self._sources:
@@ -194,28 +194,6 @@ class Monitor:
         self._attached = True
         self._arm_counts_for(self._next_step)
         return self
-
-    def _decide_reporting(self) -> bool:
-        choice = self.config.report_ranks
-        if choice == "all":
-            return True
-        if choice == "zero":
-            return self.rank == 0
-        if choice == "auto":
-            # TE all-reduces amaxes over the data-parallel group: replicas would send identical data.
-            replicated = any(src.kind == "te" for src in self._sources)
-            return self.rank == 0 or not replicated
-        return self.rank in set(choice)
-
-    def _command_rank(self) -> int:
-        """The lowest reporting rank, the same on every rank (``report_ranks`` is per-run config;
-        ``auto`` reports from rank 0, or from every rank): a list without rank 0 (say the last
-        pipeline stage, which holds the loss) makes commands travel from its lowest rank."""
-        choice = self.config.report_ranks
-        if isinstance(choice, str):
-            return 0
-        ranks = [r for r in choice if r < self.world_size]
-        return min(ranks) if ranks else 0
 
     def _default_transport(self, model: nn.Module) -> Transport:
         cfg = self.config
