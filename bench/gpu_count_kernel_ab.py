@@ -6,7 +6,8 @@ alternating in one process. For a kernel change, before it lands or after:
     python3 bench/gpu_count_kernel_ab.py --old /tmp/counts_old.py --out DIR
 
 Three ways each: the real bytes (words), the bytes with no tile flagged (every byte mid-range:
-the word test alone), the bytes tested one by one (``BYTES_IN_WORDS`` off). Needs CUDA and
+the word test alone), the bytes tested one by one (``BYTES_IN_WORDS`` off); and this tree's
+kernel reading a flagged tile row by row (``FLAGGED_SLICE_ROWS = 1``), real and clean bytes. Needs CUDA and
 Triton, no Transformer Engine. Prints one JSON line and writes ``gpu_count_kernel_ab.json``.
 """
 
@@ -50,15 +51,19 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
                            op.scale_inv, op.fmt) for op in ops]
     dst = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
 
-    def body(module: ModuleType, which: list[Any], words: bool = True) -> Callable[[], None]:
+    def body(module: ModuleType, which: list[Any], **settings: Any) -> Callable[[], None]:
+        """Count ``which`` with ``module``, its settings (``BYTES_IN_WORDS``...) changed meanwhile."""
         def run() -> None:
-            before, module.BYTES_IN_WORDS = module.BYTES_IN_WORDS, words
+            before = {name: getattr(module, name) for name in settings}
+            for name, value in settings.items():
+                setattr(module, name, value)
             try:
                 for i, op in enumerate(which):
                     module.count_cast_into(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt,
                                            fp8_bytes=op.q)
             finally:
-                module.BYTES_IN_WORDS = before
+                for name, value in before.items():
+                    setattr(module, name, value)
         return run
 
     got = {}
@@ -68,7 +73,11 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
         torch.cuda.synchronize()
         got[name] = dst.clone()
     ways = {"old": body(old, ops), "new": body(new, ops), "old_clean": body(old, clean),
-            "new_clean": body(new, clean), "old_bytewise": body(old, ops, False), "new_bytewise": body(new, ops, False)}
+            "new_clean": body(new, clean), "old_bytewise": body(old, ops, BYTES_IN_WORDS=False),
+            "new_bytewise": body(new, ops, BYTES_IN_WORDS=False)}
+    if hasattr(new, "FLAGGED_SLICE_ROWS"):  # a flagged tile row by row (fewer registers)
+        ways["new_row_by_row"] = body(new, ops, FLAGGED_SLICE_ROWS=1)
+        ways["new_row_by_row_clean"] = body(new, clean, FLAGGED_SLICE_ROWS=1)
     for run in ways.values():
         run()  # compile outside the graphs
     rows = []

@@ -149,3 +149,18 @@ def test_dist_story_with_emulated_fp8_on_two_ranks(tmp_path: Path) -> None:
     assert {"fallback", "rollback"} <= set(result["kinds_applied"])
     assert result["replicas_identical_at_end"]
     assert [r["segment"] for r in result["ranks"]] == [1, 1]  # both ranks resumed in a new segment
+
+
+@pytest.mark.slow
+def test_count_kernel_compiles_for_the_h200_without_spills() -> None:
+    """Every count kernel variant compiled for sm_90 on this machine (Triton's own ptxas): no
+    local memory (a spill would cost the pass its bandwidth), and a flagged tile read row by row
+    needs far fewer registers than the whole tile (bench/count_kernel_resources.py)."""
+    result = _run("bench/count_kernel_resources.py", timeout=300)
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    rows = {v["variant"]: v for v in result["variants"]}
+    assert set(rows) == {"bytes", "bytes_row_by_row", "bytes_bytewise", "hp"}
+    assert all(v["local_bytes"] == 0 and v["stack_bytes"] == 0 for v in rows.values()), rows
+    assert rows["bytes_row_by_row"]["slice_rows"] == 1 and rows["bytes"]["slice_rows"] == 32
+    assert rows["bytes_row_by_row"]["registers"] * 2 < rows["bytes"]["registers"], rows
