@@ -41,9 +41,6 @@ class SourceSteps:
         """The step of the last ``arm_counts_for``."""
         self.stagger_from = 0
         """Staggered counting: the step the schedule (re)started from."""
-        self._can_stagger = any(getattr(src, "staggers_counts", False) for src in self.sources)
-        """Whether a source counts staggered (TE's inspection API); without one, ``stagger`` is
-        ignored and counts come at every multiple of the cadence, the first one included."""
 
     def end_step(self) -> None:
         """Close the step in sources whose library needs it (the emulation's scale update when the
@@ -73,8 +70,8 @@ class SourceSteps:
         of the ``every`` steps up to a multiple of ``every``, where the counts are read; only whole
         windows are read, so the schedule restarts (and the first read waits for a whole window)
         after a step that does not follow the last one (a rollback) or a change of cadence.
-        Ignored when no source staggers (the emulation, torchao, TE's module hooks)."""
-        stagger = stagger and self._can_stagger
+        Ignored unless every source that counts can stagger (see :meth:`_staggering`)."""
+        stagger = stagger and self._staggering()
         if (every, stagger) != self._schedule or not self._last_step <= step <= self._last_step + 1:
             self.stagger_from = step
         self._schedule, self._last_step = (every, stagger), step
@@ -92,6 +89,15 @@ class SourceSteps:
                 if src.supports_counts:
                     src.arm_counts(want)
             self.counting = want
+
+    def _staggering(self) -> bool:
+        """Whether every source that counts can stagger (TE's inspection API in a debug session
+        fp8guard owns, which sets its iterations). Asked per step: whether fp8guard owns TE's
+        session is known once counting first opens it. With one that cannot (the emulation,
+        torchao, TE's module hooks, a session the script opened), every source counts at the
+        multiples, the first one included, so no report mixes whole windows with single steps."""
+        counting = [src for src in self.sources if src.supports_counts]
+        return bool(counting) and all(getattr(src, "staggers_counts", False) for src in counting)
 
     def stop_counting(self) -> None:
         for src in self.sources:

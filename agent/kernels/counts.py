@@ -55,8 +55,7 @@ def _kernel() -> Any:
     def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
                      FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
                      NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr,
-                     SLICE: tl.constexpr):
+                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr):
         # A tile is ROWS x COLS consecutive elements. From FP8 bytes, the high-precision values of
         # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
         # predicate is uniform along the row, so the fetch stays a vectorised load.
@@ -75,12 +74,7 @@ def _kernel() -> Any:
         # per-row tallies (not a full tile of them): fewer registers, more programs in flight
         over = tl.zeros([ROWS], dtype=tl.int32)
         under = tl.zeros([ROWS], dtype=tl.int32)
-        # the FP8-bytes variant's tallies when a flagged tile is read SLICE < ROWS rows at a time
-        if SLICE < ROWS:
-            over_b = tl.sum(tl.zeros([ROWS], dtype=tl.int32), axis=0)
-            under_b = tl.sum(tl.zeros([ROWS], dtype=tl.int32), axis=0)
         tile = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-        stile = tl.arange(0, SLICE)[:, None] * COLS + tl.arange(0, COLS)[None, :]
         if WORDS:
             # The FP8 bytes read four to a 32-bit word (the tensor is 4-byte aligned): a tile of
             # ROWS x COLS bytes is ROWS x COLS/4 words, each tested for a byte at +/-0 or at/above
@@ -121,36 +115,26 @@ def _kernel() -> Any:
                 # every tile (the model's rows that need a fetch: ~0.04 %), so the fetch and the
                 # arithmetic below run for the few that have one (a branch per tile, not per row).
                 if go:
-                    # The flagged tile SLICE rows at a time (SLICE < ROWS: what this rare path
-                    # holds at once is smaller, and a kernel's registers are sized for its
-                    # largest path, so more programs fit on a multiprocessor for the clean tiles).
-                    for r0 in range(0, ROWS, SLICE):
-                        soffs = start + r0 * COLS + stile
-                        sin = soffs < n
-                        # the slice's bytes one by one (the bytewise test holds the whole tile's)
-                        if WORDS or SLICE < ROWS:
-                            smag = tl.load(q_ptr + soffs, mask=sin, other=1) & 0x7F
-                        else:
-                            smag = mag
-                        zero = smag == 0
-                        top = smag >= MAX_CODE
-                        row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
-                        need = sin & row_needs[:, None]
-                        bits = tl.load(x_ptr + soffs, mask=need, other=0)
-                        nonzero = (bits & NZ_MASK) != 0
-                        if HP_KIND == 0:
-                            x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                        elif HP_KIND == 1:
-                            x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                        else:
-                            x = bits.to(tl.float32, bitcast=True)
-                        big = tl.abs(x) > thr  # NaN compares false, as in TE
-                        if SLICE == ROWS:  # per row, as the high-precision variant
-                            over += tl.sum((big & top & need).to(tl.int32), axis=1)
-                            under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
-                        else:
-                            over_b += tl.sum(tl.sum((big & top & need).to(tl.int32), axis=1), axis=0)
-                            under_b += tl.sum(tl.sum((nonzero & zero & need).to(tl.int32), axis=1), axis=0)
+                    if WORDS:  # the flagged tile's bytes one by one (the bytewise test has them)
+                        # (the tile's element offsets only here: a clean tile computes none)
+                        offs = start + tile
+                        inside = offs < n
+                        mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                    zero = mag == 0
+                    top = mag >= MAX_CODE
+                    row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
+                    need = inside & row_needs[:, None]
+                    bits = tl.load(x_ptr + offs, mask=need, other=0)
+                    nonzero = (bits & NZ_MASK) != 0
+                    if HP_KIND == 0:
+                        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                    elif HP_KIND == 1:
+                        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+                    else:
+                        x = bits.to(tl.float32, bitcast=True)
+                    big = tl.abs(x) > thr  # NaN compares false, as in TE
+                    over += tl.sum((big & top & need).to(tl.int32), axis=1)
+                    under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
             else:
                 offs = start + tile
                 inside = offs < n
@@ -179,12 +163,8 @@ def _kernel() -> Any:
                 small = tl.where(x_sub, tl.abs((mant.to(tl.float32) * 9.094947017729282e-13) * scale) <= HALF_SUB * 6.490371073168535e+32,
                                  tl.abs(x * scale) <= HALF_SUB)
                 under += tl.sum((nonzero & small).to(tl.int32), axis=1)
-        if SLICE < ROWS:
-            tl.atomic_add(out_ptr, (tl.sum(over, axis=0) + over_b).to(tl.int64))
-            tl.atomic_add(out_ptr + 1, (tl.sum(under, axis=0) + under_b).to(tl.int64))
-        else:
-            tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
-            tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
+        tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
 
     return count_kernel
 
@@ -209,27 +189,8 @@ words loaded before the current one is tested (for 4-byte-aligned bytes; False: 
 unaligned bytes always are: the ninth session's kernel less its second load of a flagged tile's
 bytes). ``bench/gpu_counts.py kernels`` times both side by side."""
 
-FLAGGED_SLICE_ROWS = 0
-"""Rows of a flagged tile the FP8-bytes variant reads and tests at a time (a power of two up to
-the tile's rows; 0: the whole tile at once). The kernel's registers are sized for its largest
-path, the rare flagged tile: whole 32 x 64 tiles take 214 registers a thread (four 2-warp
-programs a multiprocessor), row by row 40 (``python3 bench/count_kernel_resources.py``), so more
-programs stream the clean tiles at once, each flagged tile taking longer. Whole tiles stay the
-default until ``bench/gpu_counts.py kernels`` (its ``bytes_row_by_row``) shows row by row faster
-on the H200."""
-
 _LAUNCH = CompiledLaunch()
 """The count kernel's launches through its compiled handle (see :func:`_launch_count`)."""
-
-
-def _consts(fmt: Fp8Format, dtype: torch.dtype, from_bytes: bool, rows: int, cols: int, iters: int,
-            words: bool) -> tuple[Any, ...]:
-    """The kernel's constexpr values, in signature order."""
-    slice_rows = min(FLAGGED_SLICE_ROWS, rows) if from_bytes and FLAGGED_SLICE_ROWS > 0 else rows
-    if slice_rows & (slice_rows - 1):
-        raise ValueError(f"FLAGGED_SLICE_ROWS must be 0 or a power of two, got {FLAGGED_SLICE_ROWS}")
-    return (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
-            from_bytes, rows, cols, iters, words, slice_rows)
 
 
 def count_cast_into(
@@ -285,7 +246,8 @@ def count_cast_into(
     # Up to per_sm programs per multiprocessor (enough loads in flight to stream at memory
     # bandwidth), each looping over its tiles; two atomics per program.
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
-    consts = _consts(fmt, x.dtype, from_bytes, rows, cols, iters, words)
+    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
+              from_bytes, rows, cols, iters, words)
     _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -323,12 +285,13 @@ the plans are dropped and rebuilt as operands come (a plan costs microseconds to
 def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int,
           words: bool = False) -> _Plan:
     shape = COUNT_SHAPES["bytes" if from_bytes else "hp"]
-    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words, FLAGGED_SLICE_ROWS)
+    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words)
     plan = _PLANS.get(cache_key)
     if plan is None:
         rows, cols, per_sm, warps = shape
         grid, iters = launch_shape(n, torch.device("cuda", device_index), rows * cols, per_sm=per_sm)
-        consts = _consts(fmt, dtype, from_bytes, rows, cols, iters, words)
+        consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
+                  from_bytes, rows, cols, iters, words)
         bits_dtype = _BITS_VIEW[dtype]
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
@@ -381,12 +344,12 @@ def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.
 def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
                 bits_dtype: torch.dtype) -> Any:
-    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words, slice_rows = consts
+    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words = consts
     bits = x.view(bits_dtype).reshape(-1)
     qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
     return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
                            MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
-                           COLS=cols, ITERS=iters, WORDS=words, SLICE=slice_rows, num_warps=warps)
+                           COLS=cols, ITERS=iters, WORDS=words, num_warps=warps)
 
 
 def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,

@@ -233,8 +233,15 @@ class TESource:
     @property
     def staggers_counts(self) -> bool:
         """Whether counts can be staggered over an interval (``MonitorConfig.count_stagger``):
-        through TE's inspection API, each module at its own step."""
-        return self._inspect is not None
+        through TE's inspection API in a debug session fp8guard owns (it sets the iterations that
+        stagger the modules); a session the training script opened counts every module at once."""
+        if self._inspect is None:
+            return False
+        if self._inspect_open:
+            return bool(self._inspect.owning)
+        from fp8guard.agent.sources import te_inspect
+
+        return te_inspect.owns_session()
 
     @property
     def supports_counts(self) -> bool:

@@ -278,6 +278,16 @@ def _te_features_dir() -> str:
     return str(os.path.dirname(features.__file__))
 
 
+def owns_session() -> bool:
+    """Whether :func:`attach` would leave fp8guard owning TE's debug session (none is open, or
+    fp8guard opened it), without opening one; False without nvdlfw-inspect."""
+    try:
+        import nvdlfw_inspect.api as debug_api
+    except Exception:  # attach would refuse: nothing to stagger
+        return False
+    return debug_api.DEBUG_MANAGER is None or _Slot.owned_session
+
+
 def attach(counter: InspectCounts) -> None:
     """Route the debug API to ``counter``: open the debug session if nobody did, else join it.
 

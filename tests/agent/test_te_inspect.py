@@ -295,3 +295,24 @@ def test_staggered_counts_are_read_only_at_the_end_of_whole_windows() -> None:
     assert [s for s in range(0, 25) if (cannot.arm_counts_for(s, every=10, reporting=True, stagger=True) or
                                         cannot.counting)] == [0, 10, 20]
     assert plain.calls[0] == (0, 10, None)
+    # beside a source that cannot (a TE session the script opened, another library), none
+    # staggers: every source counts at the multiples, so no report mixes windows and steps
+    mixed = SourceSteps([_Prepared(), _Prepared(staggers=False)])  # type: ignore[list-item]
+    assert [s for s in range(0, 25) if (mixed.arm_counts_for(s, every=10, reporting=True, stagger=True) or
+                                        mixed.counting)] == [0, 10, 20]
+    assert all(call[2] is None for call in mixed.sources[0].calls)  # type: ignore[attr-defined]
+
+
+def test_fp8guard_staggers_only_in_a_debug_session_it_owns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A debug session the training script opened keeps its own iterations: counting there is
+    every module at the multiples, so the TE source does not offer to stagger."""
+    debug_api = pytest.importorskip("nvdlfw_inspect.api")
+    from fp8guard.agent.sources import te_inspect
+
+    monkeypatch.setattr(debug_api, "DEBUG_MANAGER", None)
+    assert te_inspect.owns_session()  # none open: attach would open it
+    monkeypatch.setattr(debug_api, "DEBUG_MANAGER", object())
+    monkeypatch.setattr(te_inspect._Slot, "owned_session", False)
+    assert not te_inspect.owns_session()  # the script's
+    monkeypatch.setattr(te_inspect._Slot, "owned_session", True)
+    assert te_inspect.owns_session()  # fp8guard's, from an earlier Monitor
