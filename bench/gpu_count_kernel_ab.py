@@ -6,8 +6,8 @@ alternating in one process. For a kernel change, before it lands or after:
     python3 bench/gpu_count_kernel_ab.py --old /tmp/counts_old.py --out DIR
 
 Three ways each: the real bytes (words), the bytes with no tile flagged (every byte mid-range:
-the word test alone), the bytes tested one by one (``BYTES_IN_WORDS`` off); and this tree's
-kernel reading a flagged tile row by row (``FLAGGED_SLICE_ROWS = 1``), real and clean bytes. Needs CUDA and
+the word test alone, which must count nothing), the bytes tested one by one (``BYTES_IN_WORDS``
+off); every way's counts are checked (``same_counts``, ``wrong_counts``) before it is timed. Needs CUDA and
 Triton, no Transformer Engine. Prints one JSON line and writes ``gpu_count_kernel_ab.json``.
 """
 
@@ -59,6 +59,7 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
                 setattr(module, name, value)
             try:
                 for i, op in enumerate(which):
+                    # (the FP8-bytes variant reads no scale: scale_inv stands in for it)
                     module.count_cast_into(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt,
                                            fp8_bytes=op.q)
             finally:
@@ -75,11 +76,14 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
     ways = {"old": body(old, ops), "new": body(new, ops), "old_clean": body(old, clean),
             "new_clean": body(new, clean), "old_bytewise": body(old, ops, BYTES_IN_WORDS=False),
             "new_bytewise": body(new, ops, BYTES_IN_WORDS=False)}
-    if hasattr(new, "FLAGGED_SLICE_ROWS"):  # a flagged tile row by row (fewer registers)
-        ways["new_row_by_row"] = body(new, ops, FLAGGED_SLICE_ROWS=1)
-        ways["new_row_by_row_clean"] = body(new, clean, FLAGGED_SLICE_ROWS=1)
-    for run in ways.values():
-        run()  # compile outside the graphs
+    wrong = []
+    for name, run in ways.items():  # compile outside the graphs; every way counts what it must
+        dst.zero_()
+        run()
+        torch.cuda.synchronize()
+        want = torch.zeros_like(dst) if name.endswith("_clean") else got["new"]
+        if not torch.equal(dst, want):
+            wrong.append(name)
     rows = []
     for r in range(rounds):
         order = list(ways.items()) if r % 2 == 0 else list(reversed(ways.items()))
@@ -87,7 +91,8 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
     median = {name: statistics.median(row[name] for row in rows) for name in ways}
     nbytes = sum(op.q.numel() for op in ops)
     return {"bench": "gpu_count_kernel_ab", "device": torch.cuda.get_device_name(), "old": old_path,
-            "same_counts": bool(torch.equal(got["old"], got["new"])), "rounds": rows, "median_ms": median,
+            "same_counts": bool(torch.equal(got["old"], got["new"])) and not wrong, "wrong_counts": wrong,
+            "rounds": rows, "median_ms": median,
             "GBps": {name: round(nbytes / 1e6 / ms) for name, ms in median.items()}}
 
 

@@ -153,14 +153,14 @@ def test_dist_story_with_emulated_fp8_on_two_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_count_kernel_compiles_for_the_h200_without_spills() -> None:
-    """Every count kernel variant compiled for sm_90 on this machine (Triton's own ptxas): no
-    local memory (a spill would cost the pass its bandwidth), and a flagged tile read row by row
-    needs far fewer registers than the whole tile (bench/count_kernel_resources.py)."""
+    """Every count kernel variant compiled for sm_90 on this machine (Triton's own ptxas, the
+    JIT's hints for aligned operands): no local memory (a spill would cost the pass its
+    bandwidth), and the FP8-bytes variant keeps at least 32 warps a multiprocessor by registers
+    (bench/count_kernel_resources.py; its rare flagged-tile path sizes them)."""
     result = _run("bench/count_kernel_resources.py", timeout=300)
     if "skipped" in result:
         pytest.skip(result["skipped"])
-    rows = {v["variant"]: v for v in result["variants"]}
-    assert set(rows) == {"bytes", "bytes_row_by_row", "bytes_bytewise", "hp"}
-    assert all(v["local_bytes"] == 0 and v["stack_bytes"] == 0 for v in rows.values()), rows
-    assert rows["bytes_row_by_row"]["slice_rows"] == 1 and rows["bytes"]["slice_rows"] == 32
-    assert rows["bytes_row_by_row"]["registers"] * 2 < rows["bytes"]["registers"], rows
+    rows = result["variants"]
+    assert {v["variant"] for v in rows} == {"bytes", "bytes_bytewise", "hp"}
+    assert all(v["local_bytes"] == 0 and v["stack_bytes"] == 0 for v in rows), rows
+    assert all(v["warps_per_sm_by_registers"] >= 32 for v in rows if v["variant"] == "bytes"), rows
