@@ -71,7 +71,7 @@ class SourceSteps:
         windows are read, so the schedule restarts (and the first read waits for a whole window)
         after a step that does not follow the last one (a rollback) or a change of cadence.
         Ignored unless every source that counts can stagger (see :meth:`_staggering`)."""
-        stagger = stagger and self._staggering()
+        stagger = stagger and every > 0 and self._staggering()  # (counting off: nothing to ask)
         if (every, stagger) != self._schedule or not self._last_step <= step <= self._last_step + 1:
             self.stagger_from = step
         self._schedule, self._last_step = (every, stagger), step
