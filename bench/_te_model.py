@@ -1,7 +1,8 @@
 """The GPU benchmarks' shared pieces: the Transformer Engine model of ``../shared/gpu/te_baseline.py``
 (12 ``te.TransformerLayer``, hidden 2048, FFN 8192, 16 heads, bf16 parameters, about 604M
 parameters; sequence 2048, batch 8; fused AdamW; loss mean(h**2); DelayedScaling HYBRID with a
-1024-step amax history), the skip line, and a log handler that keeps the agent's warnings."""
+1024-step amax history), the skip line, the result line (and file), and a log handler that keeps
+the agent's warnings."""
 
 from __future__ import annotations
 
@@ -10,12 +11,22 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
 def skip(bench: str, reason: str) -> None:
     print(json.dumps({"bench": bench, "skipped": reason}), flush=True)
     sys.exit(0)
+
+
+def write_result(result: dict[str, Any], out: str | None, name: str) -> None:
+    """Print ``result`` as one JSON line and, with ``out`` (a folder), write it there as ``name``."""
+    line = json.dumps(result)
+    print(line, flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(line + "\n")
 
 
 def require_te(bench: str) -> tuple[Any, Any]:

@@ -90,15 +90,14 @@ def measure(arch: int = 90, iters_list: tuple[int, ...] = (1, 4, 16)) -> dict[st
 
 
 def main() -> None:
+    from bench._te_model import write_result
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     parser.add_argument("--out", default=None, help="folder for count_kernel_resources.json")
     args = parser.parse_args()
     result = measure(args.arch)
-    print(json.dumps(result))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "count_kernel_resources.json").write_text(json.dumps(result, indent=1))
+    write_result(result, args.out, "count_kernel_resources.json")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -97,16 +96,15 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
 
 
 def main() -> None:
+    from bench._te_model import write_result
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="another version's agent/kernels/counts.py")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="folder for gpu_count_kernel_ab.json")
     args = parser.parse_args()
     result = measure(args.old, args.rounds)
-    print(json.dumps(result))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_count_kernel_ab.json").write_text(json.dumps(result, indent=1))
+    write_result(result, args.out, "gpu_count_kernel_ab.json")
 
 
 if __name__ == "__main__":

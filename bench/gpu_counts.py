@@ -25,10 +25,8 @@ Prints one JSON line (``{"skipped": ...}`` without CUDA, TE or FP8).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -38,14 +36,7 @@ from bench._counts_parts import parts
 from bench._counts_profile import profile_modes
 from bench._counts_time import time_modes
 from bench._counts_verify import verify
-
-
-def _write(out: str | None, name: str, result: dict[str, Any]) -> None:
-    line = json.dumps(result)
-    print(line, flush=True)
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / name).write_text(line + "\n")
+from bench._te_model import write_result
 
 
 def main() -> None:
@@ -69,19 +60,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "verify":
         result = verify(args)
-        _write(args.out, f"gpu_counts_verify{'' if args.recipe == 'delayed' else '_' + args.recipe}.json", result)
+        write_result(result, args.out, f"gpu_counts_verify{'' if args.recipe == 'delayed' else '_' + args.recipe}.json")
     elif args.what == "kernels":
         result = kernel_sweep(args)
-        _write(args.out, "gpu_counts_kernels.json", result)
+        write_result(result, args.out, "gpu_counts_kernels.json")
     elif args.what == "parts":
         result = parts(args)
-        _write(args.out, f"gpu_counts_parts{args.tag}.json", result)
+        write_result(result, args.out, f"gpu_counts_parts{args.tag}.json")
     elif args.what == "profile":
         result = profile_modes(args)
-        _write(args.out, f"gpu_counts_profile{args.tag}.json", result)
+        write_result(result, args.out, f"gpu_counts_profile{args.tag}.json")
     else:
         result = time_modes(args)
-        _write(args.out, f"gpu_counts_time{args.tag}.json", result)
+        write_result(result, args.out, f"gpu_counts_time{args.tag}.json")
     if result.get("ok") is False:
         sys.exit(1)  # a disagreement between the variants or with TE: named in the JSON
 
