@@ -60,7 +60,7 @@ class MonitorConfig:
     at the multiple (one report's counts all from one step). Calibration (H200, 604M model,
     every 10th step, docs/gpu.md): on a host where TE's debug path is slow, 1.009x and 1.017x
     the plain step against 1.031x and 1.024x counting all modules at once; on a faster host
-    1.012x either way. The heal bench (a 1e6 outlier, counting every 10th step) took the same
+    1.012x either way; on a third 1.006x and 1.011x against 1.008x and 1.013x. The heal bench (a 1e6 outlier, counting every 10th step) took the same
     actions both ways (steps to apply 0, 1, 1; held-out loss within run-to-run noise), so
     staggering is the default; its first finding (amax growth, step 261 against 260) reads no
     counts, so a finding that does (underflow growth) may come up to an interval later, not
