@@ -2,6 +2,7 @@
 # The GPU measurements of docs/gpu.md, on the device host, after TE was staged there
 # (bash .te/kit/install-te.sh). From the repository root:
 #   bash bench/gpu_suite.sh counts     # exact counts: checked against TE, then timed
+#   bash bench/gpu_suite.sh kernel-ab  # the count kernel's candidate settings side by side (no TE needed)
 #   bash bench/gpu_suite.sh counts-profile  # where a counted step's time goes (profilers, then real-time parts)
 #   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
 #   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
@@ -48,6 +49,10 @@ for what in "$@"; do
       part counts_parts 130 python3 bench/gpu_counts.py parts --rounds 8 --block 4 --settle 1 --budget-s 80 --out "$OUT" ;;
     counts-kernels)
       part counts_kernels 240 python3 bench/gpu_counts.py kernels --out "$OUT" ;;
+    kernel-ab)
+      # the kernel as it is against itself with its candidate settings (ROW_BY_ROW), rounds
+      # alternating; --old takes another version's counts.py for a change between versions
+      part kernel_ab 200 python3 bench/gpu_count_kernel_ab.py --old agent/kernels/counts.py --out "$OUT" ;;
     overhead)
       part overhead 240 python3 bench/gpu_overhead.py --out "$OUT" ;;
     host-cost)

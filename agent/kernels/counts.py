@@ -55,7 +55,8 @@ def _kernel() -> Any:
     def count_kernel(x_ptr, q_ptr, scale_ptr, sinv_ptr, out_ptr, n,  # type: ignore[no-untyped-def]
                      FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
                      NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr):
+                     ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr,
+                     ROW_BY_ROW: tl.constexpr):
         # A tile is ROWS x COLS consecutive elements. From FP8 bytes, the high-precision values of
         # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
         # predicate is uniform along the row, so the fetch stays a vectorised load.
@@ -74,6 +75,9 @@ def _kernel() -> Any:
         # per-row tallies (not a full tile of them): fewer registers, more programs in flight
         over = tl.zeros([ROWS], dtype=tl.int32)
         under = tl.zeros([ROWS], dtype=tl.int32)
+        # the rows of flagged tiles read one by one (ROW_BY_ROW), tallied per column
+        over_r = tl.zeros([COLS], dtype=tl.int32)
+        under_r = tl.zeros([COLS], dtype=tl.int32)
         tile = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
         if WORDS:
             # The FP8 bytes read four to a 32-bit word (the tensor is 4-byte aligned): a tile of
@@ -100,8 +104,10 @@ def _kernel() -> Any:
                     # lowest zero byte turns 0xFF; without one, no byte borrows and each stays
                     # below 0x80); a byte is >= MAX_CODE <=> adding 0x80 - MAX_CODE sets its top bit
                     zero_or_top = (v - 0x01010101) | (v + (0x80 - MAX_CODE) * 0x01010101)
-                    # (the top bits themselves folded: no per-word compare or conversion)
-                    flagged = tl.max(tl.max(zero_or_top & 0x80808080, axis=1), axis=0) != 0
+                    # (the top bits themselves folded: no per-word compare or conversion), row by
+                    # row, then over the tile
+                    row_top = tl.max(zero_or_top & 0x80808080, axis=1)
+                    flagged = tl.max(row_top, axis=0) != 0
                     # the last 1-3 bytes of a length that is not a multiple of 4 are in no word
                     # (nw * 4 - start: start + ROWS * COLS could pass 2**31 for n just below it)
                     tail = (nw * 4 < n) & (nw * 4 - start < ROWS * COLS) & (start < n)
@@ -115,26 +121,58 @@ def _kernel() -> Any:
                 # every tile (the model's rows that need a fetch: ~0.04 %), so the fetch and the
                 # arithmetic below run for the few that have one (a branch per tile, not per row).
                 if go:
-                    if WORDS:  # the flagged tile's bytes one by one (the bytewise test has them)
-                        # (the tile's element offsets only here: a clean tile computes none)
-                        offs = start + tile
-                        inside = offs < n
-                        mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
-                    zero = mag == 0
-                    top = mag >= MAX_CODE
-                    row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
-                    need = inside & row_needs[:, None]
-                    bits = tl.load(x_ptr + offs, mask=need, other=0)
-                    nonzero = (bits & NZ_MASK) != 0
-                    if HP_KIND == 0:
-                        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                    elif HP_KIND == 1:
-                        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+                    if WORDS and ROW_BY_ROW > 0:
+                        # Which rows hold such a byte (or the tail's bytes: then every row), as
+                        # bits of one integer; with at most ROW_BY_ROW of them only those rows are
+                        # read again, one at a time, instead of the whole tile (a real tensor's
+                        # flagged tile usually has one or two; a dense one takes the tile path).
+                        tl.static_assert(ROWS <= 64, "ROW_BY_ROW needs tiles of at most 64 rows (bits of an int64)")
+                        row_flag = (row_top != 0) | tail
+                        row_bits = tl.sum(tl.where(row_flag, tl.full([ROWS], 1, tl.int64) << tl.arange(0, ROWS).to(tl.int64), 0),
+                                          axis=0)
+                        by_row = tl.sum(row_flag.to(tl.int32), axis=0) <= ROW_BY_ROW
+                    else:  # (a constant: the compiler drops the row path)
+                        row_bits = tl.zeros([], dtype=tl.int64)
+                        by_row = tl.zeros([], dtype=tl.int32) != 0
+                    if by_row:
+                        for r in range(ROWS):
+                            if ((row_bits >> r) & 1) != 0:
+                                roffs = start + r * COLS + tl.arange(0, COLS)
+                                rin = roffs < n
+                                rmag = tl.load(q_ptr + roffs, mask=rin, other=1) & 0x7F
+                                rzero = rmag == 0
+                                rtop = rmag >= MAX_CODE
+                                rneed = rin & (rzero | rtop)
+                                rbits = tl.load(x_ptr + roffs, mask=rneed, other=0)
+                                if HP_KIND == 0:
+                                    rx = (rbits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                                elif HP_KIND == 1:
+                                    rx = rbits.to(tl.float16, bitcast=True).to(tl.float32)
+                                else:
+                                    rx = rbits.to(tl.float32, bitcast=True)
+                                over_r += ((tl.abs(rx) > thr) & rtop & rneed).to(tl.int32)
+                                under_r += (((rbits & NZ_MASK) != 0) & rzero & rneed).to(tl.int32)
                     else:
-                        x = bits.to(tl.float32, bitcast=True)
-                    big = tl.abs(x) > thr  # NaN compares false, as in TE
-                    over += tl.sum((big & top & need).to(tl.int32), axis=1)
-                    under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
+                        if WORDS:  # the flagged tile's bytes one by one (the bytewise test has them)
+                            # (the tile's element offsets only here: a clean tile computes none)
+                            offs = start + tile
+                            inside = offs < n
+                            mag = tl.load(q_ptr + offs, mask=inside, other=1) & 0x7F
+                        zero = mag == 0
+                        top = mag >= MAX_CODE
+                        row_needs = tl.max((zero | top).to(tl.int32), axis=1) > 0
+                        need = inside & row_needs[:, None]
+                        bits = tl.load(x_ptr + offs, mask=need, other=0)
+                        nonzero = (bits & NZ_MASK) != 0
+                        if HP_KIND == 0:
+                            x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                        elif HP_KIND == 1:
+                            x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+                        else:
+                            x = bits.to(tl.float32, bitcast=True)
+                        big = tl.abs(x) > thr  # NaN compares false, as in TE
+                        over += tl.sum((big & top & need).to(tl.int32), axis=1)
+                        under += tl.sum((nonzero & zero & need).to(tl.int32), axis=1)
             else:
                 offs = start + tile
                 inside = offs < n
@@ -163,8 +201,12 @@ def _kernel() -> Any:
                 small = tl.where(x_sub, tl.abs((mant.to(tl.float32) * 9.094947017729282e-13) * scale) <= HALF_SUB * 6.490371073168535e+32,
                                  tl.abs(x * scale) <= HALF_SUB)
                 under += tl.sum((nonzero & small).to(tl.int32), axis=1)
-        tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
-        tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
+        if WORDS and ROW_BY_ROW > 0:
+            tl.atomic_add(out_ptr, (tl.sum(over, axis=0) + tl.sum(over_r, axis=0)).to(tl.int64))
+            tl.atomic_add(out_ptr + 1, (tl.sum(under, axis=0) + tl.sum(under_r, axis=0)).to(tl.int64))
+        else:
+            tl.atomic_add(out_ptr, tl.sum(over, axis=0).to(tl.int64))
+            tl.atomic_add(out_ptr + 1, tl.sum(under, axis=0).to(tl.int64))
 
     return count_kernel
 
@@ -188,6 +230,15 @@ BYTES_IN_WORDS = True
 words loaded before the current one is tested (for 4-byte-aligned bytes; False: byte by byte, as
 unaligned bytes always are: the ninth session's kernel less its second load of a flagged tile's
 bytes). ``bench/gpu_counts.py kernels`` times both side by side."""
+
+ROW_BY_ROW = 0
+"""In the word test, a flagged tile with at most this many rows holding a byte at +/-0 or the
+maximum reads only those rows again, one at a time (each row's high-precision values fetched
+only where a byte asks), instead of the whole tile's bytes and every element's arithmetic; a
+tile with more takes the whole-tile path. 0: always the whole tile (the kernel measured so far).
+Why: on the H200 the flagged tiles (about 5 % of the 32-row tiles, one or two flagged rows each)
+cost 0.40-0.46 of 3.17 ms (docs/gpu.md), the whole tile's per-element work for a row or two.
+Not yet timed on a GPU: ``bench/gpu_counts.py kernels`` sweeps it before the default moves."""
 
 _LAUNCH = CompiledLaunch()
 """The count kernel's launches through its compiled handle (see :func:`_launch_count`)."""
@@ -239,7 +290,7 @@ def count_cast_into(
     q = fp8_bytes if fp8_bytes is not None else x
     words = from_bytes and BYTES_IN_WORDS and q.data_ptr() % 4 == 0
     if x.is_cuda:
-        plan = _plan(n, x.dtype, fmt, from_bytes, x.get_device(), words)
+        plan = _plan(n, x.dtype, fmt, from_bytes, x.get_device(), words, ROW_BY_ROW if words else 0)
         _launch_planned(kernel, plan, x, q, scale, scale_inv, out, n)
         return
     rows, cols, per_sm, warps = COUNT_SHAPES["bytes" if from_bytes else "hp"]
@@ -247,7 +298,7 @@ def count_cast_into(
     # bandwidth), each looping over its tiles; two atomics per program.
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
     consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
-              from_bytes, rows, cols, iters, words)
+              from_bytes, rows, cols, iters, words, ROW_BY_ROW if words else 0)
     _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -283,15 +334,15 @@ the plans are dropped and rebuilt as operands come (a plan costs microseconds to
 
 
 def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int,
-          words: bool = False) -> _Plan:
+          words: bool = False, row_by_row: int = 0) -> _Plan:
     shape = COUNT_SHAPES["bytes" if from_bytes else "hp"]
-    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words)
+    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words, row_by_row)
     plan = _PLANS.get(cache_key)
     if plan is None:
         rows, cols, per_sm, warps = shape
         grid, iters = launch_shape(n, torch.device("cuda", device_index), rows * cols, per_sm=per_sm)
         consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
-                  from_bytes, rows, cols, iters, words)
+                  from_bytes, rows, cols, iters, words, row_by_row)
         bits_dtype = _BITS_VIEW[dtype]
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
@@ -344,12 +395,12 @@ def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.
 def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
                 bits_dtype: torch.dtype) -> Any:
-    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words = consts
+    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words, row_by_row = consts
     bits = x.view(bits_dtype).reshape(-1)
     qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
     return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
                            MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
-                           COLS=cols, ITERS=iters, WORDS=words, num_warps=warps)
+                           COLS=cols, ITERS=iters, WORDS=words, ROW_BY_ROW=row_by_row, num_warps=warps)
 
 
 def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,

@@ -159,6 +159,50 @@ def test_bytes_variant_skips_tiles_with_nothing_to_count() -> None:
         assert triton_counts == torch_counts == expected
 
 
+_ROW_BY_ROW = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from fp8guard.agent.kernels import counts
+    from tests.agent.test_kernels import _tensor, counted
+    # Flagged tiles read row by row (counts.ROW_BY_ROW): tiles with one or two flagged rows (at a
+    # tile's first and last row, in the tail), tiles where every row is flagged (the whole-tile
+    # path past the limit), and the random tensors with edge values of the other checks.
+    def cases(fmt):
+        for dtype, n in ((torch.bfloat16, 5 * 4096 + 77), (torch.float16, 5 * 4096 + 68), (torch.float32, 5 * 4096 + 3)):
+            x = torch.full((n,), 0.75, dtype=dtype)
+            scale = torch.tensor([fmt.fp8_max / 4.0 if fmt is Fp8Format.E4M3 else 1.0])
+            big = 100.0 if fmt is Fp8Format.E4M3 else 60000.0
+            for at in (0, 63, 2048 - 1, 4096 + 64 * 5 + 7, n - 1):
+                x[at] = big
+            for at in (64 * 31, 4096 + 64 * 5 + 9, 3 * 4096 + 11, n - 2):
+                x[at] = 1e-6
+            x[2 * 4096:2 * 4096 + 2048:61] = 1e-6  # every row of a tile flagged
+            x[2 * 4096 + 2048:2 * 4096 + 2048 + 64 * 12:64] = big  # twelve rows of the next
+            yield x, scale
+        yield _tensor(torch.bfloat16, fmt, n=3 * 4096 + 123, seed=1)
+    out = []
+    for limit in (1, 8, 32):
+        counts.ROW_BY_ROW = limit
+        for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
+            for x, scale in cases(fmt):
+                q = quantize(x, scale[0], fmt)
+                assert q.view(torch.uint8).data_ptr() % 4 == 0  # the word test
+                out.append([limit, counted(x, scale, fmt, q, "triton"), counted(x, scale, fmt, q, "torch")])
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_flagged_rows_read_one_by_one_count_what_the_tile_path_counts() -> None:
+    """``ROW_BY_ROW``: a flagged tile with few flagged rows reads only those rows again; one with
+    more takes the whole-tile path. Every limit counts what the torch path counts."""
+    rows = run_interpreted(_ROW_BY_ROW, timeout=600)
+    assert {r[0] for r in rows} == {1, 8, 32} and len(rows) == 3 * 2 * 4
+    for limit, triton_counts, torch_counts in rows:
+        assert triton_counts == torch_counts, (limit, triton_counts, torch_counts)
+        assert triton_counts[0] > 0 and triton_counts[1] > 0
+
+
 _TABLE = textwrap.dedent("""
     import json, torch
     from fp8guard.agent.telemetry import GradNorm, norm_of_grads
@@ -361,7 +405,7 @@ _ALIGNMENT = textwrap.dedent("""
     seen = []
     real = counts._launch_count
     def spy(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts):
-        seen.append([q.data_ptr() % 4, consts[-1]])
+        seen.append([q.data_ptr() % 4, consts[9]])  # WORDS
         return real(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
     counts._launch_count = spy
     x = torch.randn(4096 + 9)
