@@ -45,29 +45,36 @@ class Operand:
                 "numel": self.x.numel()}
 
 
-VARIANTS = ("hp", "bytes", "bytes_bytewise", "bytes_row_by_row")
-"""The high-precision variant; the FP8-bytes variant as it runs (bytes tested four to a word);
-the same with ``kernels.BYTES_IN_WORDS`` off (bytes tested one by one, as unaligned bytes are;
-since the tenth session a flagged tile's bytes are loaded once there, not twice); the same with
-``kernels.ROW_BY_ROW`` at :data:`ROW_BY_ROW_TRIED` (a flagged tile's flagged rows read one by one)."""
-
 ROW_BY_ROW_TRIED = 8
 """``kernels.ROW_BY_ROW`` in the ``bytes_row_by_row`` variant: a quarter of a 32-row tile; the
 flagged tiles of the model's operands have one or two flagged rows, a dense tile takes the tile path."""
 
-_SETTINGS = {"bytes_bytewise": ("BYTES_IN_WORDS", False), "bytes_row_by_row": ("ROW_BY_ROW", ROW_BY_ROW_TRIED)}
-"""The variants that run the FP8-bytes variant with one of the module's settings changed."""
+SETTINGS: dict[str, dict[str, Any]] = {
+    "bytes_bytewise": {"BYTES_IN_WORDS": False},
+    "bytes_row_by_row": {"ROW_BY_ROW": ROW_BY_ROW_TRIED},
+    "bytes_two_ahead": {"TILES_AHEAD": 2},
+    "bytes_two_ahead_row_by_row": {"TILES_AHEAD": 2, "ROW_BY_ROW": ROW_BY_ROW_TRIED},
+}
+"""The FP8-bytes variant with some of the count module's settings changed: the bytes tested one by
+one (as unaligned bytes are; since the tenth session a flagged tile's bytes are loaded once there,
+not twice), a flagged tile's flagged rows read one by one, two tiles' words loading while one is
+tested, both."""
+
+VARIANTS = ("hp", "bytes", *SETTINGS)
+"""The high-precision variant, the FP8-bytes variant as it runs (bytes tested four to a word), and
+the candidates of :data:`SETTINGS`."""
 
 
 def _run(ops: list[Operand], dst: torch.Tensor, variant: str) -> None:
-    if variant in _SETTINGS:
-        name, value = _SETTINGS[variant]
-        before = getattr(kernels, name)
-        setattr(kernels, name, value)
+    if variant in SETTINGS:
+        before = {name: getattr(kernels, name) for name in SETTINGS[variant]}
+        for name, value in SETTINGS[variant].items():
+            setattr(kernels, name, value)
         try:
             _run(ops, dst, "bytes")
         finally:
-            setattr(kernels, name, before)
+            for name, value in before.items():
+                setattr(kernels, name, value)
         return
     for i, op in enumerate(ops):
         if variant == "bytes" and op.q is None:
@@ -191,8 +198,7 @@ def timing(ops: list[Operand], repeats: int = 5) -> dict[str, Any]:
             fetched += int(rows.sum()) * 64
     hp_bytes = sum(op.x.numel() * op.x.element_size() for op in ops if op.scale is not None)
     by_bytes = sum(op.x.numel() for op in ops if op.q is not None) + 2 * fetched
-    for variant, nbytes in (("hp", hp_bytes), ("bytes", by_bytes), ("bytes_bytewise", by_bytes),
-                            ("bytes_row_by_row", by_bytes)):
+    for variant, nbytes in (("hp", hp_bytes), *((v, by_bytes) for v in VARIANTS if v != "hp")):
         eager = _best_ms(lambda v=variant: _run(ops, dst, v), dst, repeats)
         try:
             graph = _graph_ms(ops, dst, variant, repeats)
@@ -267,7 +273,7 @@ def legacy_count_cast_into(out: torch.Tensor, x: torch.Tensor, *, scale: torch.T
     words = fp8_bytes is not None and kernels.BYTES_IN_WORDS and q.data_ptr() % 4 == 0
     consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, kernels._MAX_CODE[fmt], kernels._NONZERO_MASK[x.dtype],
               kernels._HP_KIND[x.dtype], fp8_bytes is not None, rows, cols, iters, words,
-              kernels.ROW_BY_ROW if words else 0)
+              kernels.ROW_BY_ROW if words else 0, kernels.TILES_AHEAD if words else 1)
     kernels._launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -351,7 +357,7 @@ def sweep(ops: list[Operand], repeats: int = 3) -> dict[str, Any]:
             kernels.COUNT_SHAPES.update(saved)
             # each variant's own reference at the default shape (the kernels accumulate); the
             # bytes tested one by one, or rows read one by one, must count what the words count
-            _run(ops, ref.zero_(), "bytes" if variant in _SETTINGS else variant)
+            _run(ops, ref.zero_(), "bytes" if variant in SETTINGS else variant)
             for shape in SWEEP:
                 kernels.COUNT_SHAPES["hp" if variant == "hp" else "bytes"] = shape
                 try:

@@ -36,7 +36,7 @@ def _prepared(ops: list[Any], dst: torch.Tensor) -> list[tuple[Any, ...]]:
         n = op.x.numel()
         words = kernels.BYTES_IN_WORDS and op.q.data_ptr() % 4 == 0
         plan = kernels._plan(n, op.x.dtype, op.fmt, True, op.x.get_device(), words,
-                             kernels.ROW_BY_ROW if words else 0)
+                             kernels.ROW_BY_ROW if words else 0, kernels.TILES_AHEAD if words else 1)
         handle = kernels._jit_launch(kernel, plan.grid, plan.warps, op.x, op.q, op.scale_inv, op.scale_inv,
                                      dst[i], n, plan.consts, plan.bits_dtype)
         out.append((handle, plan.grid, (op.x, op.q, op.scale_inv, op.scale_inv, dst[i], n), plan.consts))

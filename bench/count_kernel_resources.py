@@ -34,15 +34,11 @@ MAX_PROGRAMS_PER_SM = 32
 MAX_WARPS_PER_SM = 64
 """Hopper's resident warps per multiprocessor at most (2,048 threads)."""
 NAMES = ["FP8_MAX", "HALF_SUB", "MAX_CODE", "NZ_MASK", "HP_KIND", "FROM_BYTES", "ROWS", "COLS", "ITERS", "WORDS",
-         "ROW_BY_ROW"]
+         "ROW_BY_ROW", "AHEAD"]
 """The count kernel's constexpr parameters, in signature order (``counts._jit_launch``)."""
 RUNTIME_ARGS = 6
 """x, q, scale, scale_inv, out, n: the JIT marks each divisible by 16 for aligned tensors and
 such an element count."""
-VARIANTS = [("bytes", True, True, False), ("bytes_row_by_row", True, True, True),
-            ("bytes_bytewise", True, False, False), ("hp", False, False, False)]
-"""(name, from FP8 bytes, bytes tested in words, a flagged tile's rows read one by one: up to
-``bench/_count_probe.py``'s ``ROW_BY_ROW_TRIED`` of them)."""
 
 
 def _skip(reason: str) -> None:
@@ -110,7 +106,7 @@ def measure(arch: int = 90, iters_list: tuple[int, ...] = (1, 4, 16), sass_dir: 
         from triton.compiler import ASTSource
     except Exception as exc:  # no torch or no Triton: nothing to compile
         _skip(f"needs torch and Triton: {type(exc).__name__}: {exc}")
-    from bench._count_probe import ROW_BY_ROW_TRIED
+    from bench._count_probe import SETTINGS
     from fp8guard.agent.fp8 import Fp8Format
     from fp8guard.agent.kernels import counts
 
@@ -122,13 +118,17 @@ def measure(arch: int = 90, iters_list: tuple[int, ...] = (1, 4, 16), sass_dir: 
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(RUNTIME_ARGS)}
     rows_out = []
     with tempfile.TemporaryDirectory(prefix="fp8guard-count-cubin-") as tmp:
-        for variant, from_bytes, words, by_row in VARIANTS:
-            row_by_row = ROW_BY_ROW_TRIED if by_row else 0
+        # the variants bench/gpu_counts.py times: (name, the count module's settings; None: high precision)
+        for variant, settings in [("bytes", {}), *SETTINGS.items(), ("hp", None)]:
+            from_bytes = settings is not None
+            words = from_bytes and settings.get("BYTES_IN_WORDS", True)
+            row_by_row = settings.get("ROW_BY_ROW", 0) if words else 0
+            ahead = settings.get("TILES_AHEAD", 1) if words else 1
             rows, cols, per_sm, warps = counts.COUNT_SHAPES["bytes" if from_bytes else "hp"]
             for iters in iters_list:
                 consts = dict(zip(NAMES, (fmt.fp8_max, fmt.smallest_subnormal / 2, counts._MAX_CODE[fmt],
                                           counts._NONZERO_MASK[dtype], counts._HP_KIND[dtype], from_bytes, rows,
-                                          cols, iters, words, row_by_row), strict=True))
+                                          cols, iters, words, row_by_row, ahead), strict=True))
                 signature = {"x_ptr": "*i16", "q_ptr": "*u8" if from_bytes else "*i16", "scale_ptr": "*fp32",
                              "sinv_ptr": "*fp32", "out_ptr": "*i64", "n": "i32",
                              **{name: "constexpr" for name in NAMES}}

@@ -7,9 +7,10 @@ alternating in one process. For a kernel change, before it lands or after:
 
 Three ways each: the real bytes (words), the bytes with no tile flagged (every byte mid-range:
 the word test alone, which must count nothing), the bytes tested one by one (``BYTES_IN_WORDS``
-off); and the new module's real bytes with a flagged tile's flagged rows read one by one
-(``ROW_BY_ROW`` at ``bench/_count_probe.py``'s ``ROW_BY_ROW_TRIED``). Every way's counts are
-checked (``same_counts``, ``wrong_counts``) before it is timed. Needs CUDA and Triton, no
+off); and the new module's candidate settings (``bench/_count_probe.py``'s ``SETTINGS``: a flagged
+tile's flagged rows read one by one, two tiles' words loading while one is tested), on the real
+bytes and on the clean ones. Every way's counts are checked (``same_counts``, ``wrong_counts``)
+before it is timed. Needs CUDA and Triton, no
 Transformer Engine. Prints one JSON line and writes ``gpu_count_kernel_ab.json``.
 """
 
@@ -76,9 +77,11 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
         got[name] = dst.clone()
     ways = {"old": body(old, ops), "new": body(new, ops), "old_clean": body(old, clean),
             "new_clean": body(new, clean), "old_bytewise": body(old, ops, BYTES_IN_WORDS=False),
-            "new_bytewise": body(new, ops, BYTES_IN_WORDS=False),
-            # a flagged tile's flagged rows read one by one (the old module may predate the setting)
-            "new_row_by_row": body(new, ops, ROW_BY_ROW=probe.ROW_BY_ROW_TRIED)}
+            "new_bytewise": body(new, ops, BYTES_IN_WORDS=False)}
+    for name, settings in probe.SETTINGS.items():  # the new module's candidates, real and clean bytes
+        if name != "bytes_bytewise":
+            ways[f"new_{name.removeprefix('bytes_')}"] = body(new, ops, **settings)
+            ways[f"new_{name.removeprefix('bytes_')}_clean"] = body(new, clean, **settings)
     wrong = []
     for name, run in ways.items():  # compile outside the graphs; every way counts what it must
         dst.zero_()

@@ -56,7 +56,7 @@ def _kernel() -> Any:
                      FP8_MAX: tl.constexpr, HALF_SUB: tl.constexpr, MAX_CODE: tl.constexpr,
                      NZ_MASK: tl.constexpr, HP_KIND: tl.constexpr, FROM_BYTES: tl.constexpr,
                      ROWS: tl.constexpr, COLS: tl.constexpr, ITERS: tl.constexpr, WORDS: tl.constexpr,
-                     ROW_BY_ROW: tl.constexpr):
+                     ROW_BY_ROW: tl.constexpr, AHEAD: tl.constexpr):
         # A tile is ROWS x COLS consecutive elements. From FP8 bytes, the high-precision values of
         # a row of COLS are fetched only when one of its bytes is +/-0 or the maximum: the
         # predicate is uniform along the row, so the fetch stays a vectorised load.
@@ -91,13 +91,21 @@ def _kernel() -> Any:
             first = pid * ITERS * (ROWS * COLS // 4)
             # masked words read as 0x01 bytes: nonzero, below the maximum: nothing to count
             w_next = tl.load(qw_ptr + first + wtile, mask=first + wtile < nw, other=0x01010101)
+            if AHEAD > 1:  # and the tile after it (ITERS >= 2 whenever a program has two tiles)
+                second = first + (ROWS * COLS // 4) + wtile
+                w_after = tl.load(qw_ptr + second, mask=(second < nw) & (ITERS > 1), other=0x01010101)
         for i in range(ITERS):  # program pid owns tiles pid*ITERS .. pid*ITERS+ITERS-1
             start = (pid * ITERS + i) * (ROWS * COLS)
             if FROM_BYTES:
                 if WORDS:
                     w = w_next
-                    nxt = first + (i + 1) * (ROWS * COLS // 4) + wtile
-                    w_next = tl.load(qw_ptr + nxt, mask=(nxt < nw) & (i + 1 < ITERS), other=0x01010101)
+                    if AHEAD > 1:  # two tiles' loads in flight while this one is tested
+                        w_next = w_after
+                        nxt = first + (i + 2) * (ROWS * COLS // 4) + wtile
+                        w_after = tl.load(qw_ptr + nxt, mask=(nxt < nw) & (i + 2 < ITERS), other=0x01010101)
+                    else:
+                        nxt = first + (i + 1) * (ROWS * COLS // 4) + wtile
+                        w_next = tl.load(qw_ptr + nxt, mask=(nxt < nw) & (i + 1 < ITERS), other=0x01010101)
                     # the magnitudes; each byte <= 0x7F, so no carry leaves a byte below
                     v = w.to(tl.uint32, bitcast=True) & 0x7F7F7F7F
                     # some byte of v is 0 <=> subtracting 1 from every byte sets a top bit (the
@@ -240,6 +248,13 @@ Why: on the H200 the flagged tiles (about 5 % of the 32-row tiles, one or two fl
 cost 0.40-0.46 of 3.17 ms (docs/gpu.md), the whole tile's per-element work for a row or two.
 Not yet timed on a GPU: ``bench/gpu_counts.py kernels`` sweeps it before the default moves."""
 
+TILES_AHEAD = 1
+"""In the word test, how many tiles' words a program has loading while it tests one: 1 (the
+kernel measured so far) or 2. Why 2 might pay: resident by registers, a multiprocessor keeps about
+32 KB of the count kernel's loads in flight against 256 KB for a plain read of the same bytes, which
+reaches 3.6 TB/s where the count kernel's clean tiles reach 2.6 (docs/gpu.md, twelfth session).
+Not yet timed on a GPU: ``bench/gpu_counts.py kernels`` and ``bench/gpu_count_kernel_ab.py`` time it."""
+
 _LAUNCH = CompiledLaunch()
 """The count kernel's launches through its compiled handle (see :func:`_launch_count`)."""
 
@@ -290,7 +305,8 @@ def count_cast_into(
     q = fp8_bytes if fp8_bytes is not None else x
     words = from_bytes and BYTES_IN_WORDS and q.data_ptr() % 4 == 0
     if x.is_cuda:
-        plan = _plan(n, x.dtype, fmt, from_bytes, x.get_device(), words, ROW_BY_ROW if words else 0)
+        plan = _plan(n, x.dtype, fmt, from_bytes, x.get_device(), words, ROW_BY_ROW if words else 0,
+                     TILES_AHEAD if words else 1)
         _launch_planned(kernel, plan, x, q, scale, scale_inv, out, n)
         return
     rows, cols, per_sm, warps = COUNT_SHAPES["bytes" if from_bytes else "hp"]
@@ -298,7 +314,7 @@ def count_cast_into(
     # bandwidth), each looping over its tiles; two atomics per program.
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
     consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
-              from_bytes, rows, cols, iters, words, ROW_BY_ROW if words else 0)
+              from_bytes, rows, cols, iters, words, ROW_BY_ROW if words else 0, TILES_AHEAD if words else 1)
     _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -334,15 +350,15 @@ the plans are dropped and rebuilt as operands come (a plan costs microseconds to
 
 
 def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_index: int,
-          words: bool = False, row_by_row: int = 0) -> _Plan:
+          words: bool = False, row_by_row: int = 0, ahead: int = 1) -> _Plan:
     shape = COUNT_SHAPES["bytes" if from_bytes else "hp"]
-    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words, row_by_row)
+    cache_key = (n, dtype, fmt, from_bytes, device_index, shape, words, row_by_row, ahead)
     plan = _PLANS.get(cache_key)
     if plan is None:
         rows, cols, per_sm, warps = shape
         grid, iters = launch_shape(n, torch.device("cuda", device_index), rows * cols, per_sm=per_sm)
         consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
-                  from_bytes, rows, cols, iters, words, row_by_row)
+                  from_bytes, rows, cols, iters, words, row_by_row, ahead)
         bits_dtype = _BITS_VIEW[dtype]
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
@@ -395,12 +411,13 @@ def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.
 def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
                 bits_dtype: torch.dtype) -> Any:
-    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words, row_by_row = consts
+    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words, row_by_row, ahead = consts
     bits = x.view(bits_dtype).reshape(-1)
     qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
     return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
                            MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
-                           COLS=cols, ITERS=iters, WORDS=words, ROW_BY_ROW=row_by_row, num_warps=warps)
+                           COLS=cols, ITERS=iters, WORDS=words, ROW_BY_ROW=row_by_row, AHEAD=ahead,
+                           num_warps=warps)
 
 
 def _torch_counts(x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,
