@@ -1,7 +1,10 @@
-"""Where the host time of one count launch goes: the same 144 launches enqueued four ways, passes
+"""Where the host time of one count launch goes: the same 144 launches enqueued five ways, passes
 alternating in one process, host microseconds per launch.
 
-* ``count_cast_into``: fp8guard's whole path (the plan, the handle's key, the cached handle);
+* ``count_cast_into``: fp8guard's whole path (the plan, the handle's key, the cached handle; since
+  the twelfth session its C launcher called directly while no launch hook is set);
+* ``count_cast_into_via_runner``: the same through Triton's runner (``CompiledLaunch.direct``
+  off), the path before;
 * ``triton_runner``: the compiled kernel's own runner (``handle[grid](*args)``: Triton looks up
   the device and stream, builds the launch metadata, calls its C launcher), arguments ready;
 * ``c_launcher``: Triton's C launcher called directly (``handle.run``) with the stream looked up
@@ -11,7 +14,7 @@ alternating in one process, host microseconds per launch.
 The differences name each layer's share: fp8guard's Python, Triton's runner, the launch itself.
 ``c_launcher`` calls a Triton-internal entry whose arguments have changed between Triton
 releases: the bench checks that it counts what ``count_cast_into`` counts and reports
-``c_launcher_error`` instead if it raises. Needs CUDA and Triton; imported by
+``c_launcher_error`` instead if it raises (each way likewise). Needs CUDA and Triton; imported by
 ``bench/_counts_kernels.py`` on the GPU host only.
 """
 
@@ -55,6 +58,13 @@ def measure(ops: list[Any], passes: int = 9) -> dict[str, Any]:
             kernels.count_cast_into(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt,
                                     fp8_bytes=op.q)
 
+    def whole_via_runner() -> None:
+        kernels._LAUNCH.direct = False
+        try:
+            whole()
+        finally:
+            kernels._LAUNCH.direct = True
+
     def runner() -> None:
         for handle, grid, args, consts in prepared:
             handle[(grid, 1, 1)](*args, *consts)
@@ -68,23 +78,27 @@ def measure(ops: list[Any], passes: int = 9) -> dict[str, Any]:
         for i, _ in with_bytes:
             dst[i].zero_()
 
-    ways: dict[str, Callable[[], None]] = {"count_cast_into": whole, "triton_runner": runner,
-                                           "c_launcher": c_launcher, "torch_zero": torch_zero}
+    ways: dict[str, Callable[[], None]] = {"count_cast_into": whole, "count_cast_into_via_runner": whole_via_runner,
+                                           "triton_runner": runner, "c_launcher": c_launcher,
+                                           "torch_zero": torch_zero}
     result: dict[str, Any] = {"launches": len(with_bytes), "passes": passes}
-    # the same counts through the C launcher as through fp8guard's path
+    # the same counts through the C launcher and the runner as through fp8guard's path
     counts: dict[str, torch.Tensor] = {}
-    for name in ("count_cast_into", "c_launcher"):
+    for name in ("count_cast_into", "count_cast_into_via_runner", "c_launcher"):
         dst.zero_()
         try:
             ways[name]()
         except Exception as exc:
-            result["c_launcher_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            del ways["c_launcher"]
-            break
+            result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            del ways[name]
+            continue
         torch.cuda.synchronize()
         counts[name] = dst.clone()
-    if "c_launcher" in counts:
-        result["c_launcher_same_counts"] = bool(torch.equal(counts["c_launcher"], counts["count_cast_into"]))
+    for name, label in (("c_launcher", "c_launcher_same_counts"), ("count_cast_into_via_runner",
+                                                                  "via_runner_same_counts")):
+        if name in counts and "count_cast_into" in counts:
+            result[label] = bool(torch.equal(counts[name], counts["count_cast_into"]))
+    result["direct_c_launcher_in_use"] = kernels._LAUNCH.direct
     for name, us in host_us_per_launch(ways, len(with_bytes), passes).items():
         result[f"host_us_per_launch_{name}"] = us
     return result

@@ -81,6 +81,40 @@ def specialization_key(args: Sequence[Any]) -> tuple[Hashable, ...]:
     return tuple(key)
 
 
+@functools.cache
+def _runtime_knobs() -> Any:
+    """Triton's runtime knobs (its launch hooks), or None where this Triton has none."""
+    try:
+        from triton import knobs
+    except Exception:
+        return None
+    return knobs.runtime
+
+
+def launch_hooks_off() -> bool:
+    """Whether no launch hook is set in Triton (a profiler such as proton sets them): then the C
+    launcher can be called without the launch metadata the hooks would be handed. A hook that is
+    not Triton's chain of hooks counts as set."""
+    runtime = _runtime_knobs()
+    if runtime is None:
+        return False
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+@functools.cache
+def _stream_lookup() -> Callable[[], int]:
+    """The current CUDA stream's raw handle on the current device, as Triton's runner looks it up
+    (the current device, not the arguments'), through torch's C entry points where they exist."""
+    get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return lambda: int(raw(get_device()))
+    return lambda: int(torch.cuda.current_stream(get_device()).cuda_stream)
+
+
 class CompiledLaunch:
     """Launches one kernel call site through the compiled kernel's own handle.
 
@@ -92,12 +126,22 @@ class CompiledLaunch:
     :func:`specialization_key` of the runtime arguments) use it. Under the interpreter, off CUDA,
     or after any failure of the handle (an API drift in Triton's launcher) every call goes
     through the JIT, with the same result.
+
+    With no launch hook set (:func:`launch_hooks_off`) the handle's C launcher is called directly
+    with the current stream, as Triton's runner calls it less the launch metadata and the hook
+    calls it makes on every launch (Triton 3.6 hands both an empty chain of hooks each time): on
+    the H200's host Triton's runner took 10.2-16.5 us a launch and the C launcher called so
+    7.1-11.2 (``bench/gpu_counts.py kernels``' ``launch_floor``, docs/gpu.md). With a hook set
+    (a profiler) the runner is used, so the hooks see every launch.
     """
 
     def __init__(self) -> None:
         self._compiled: dict[Hashable, Any] = {}
         self.fast = True
         """Whether the handle is used (False: every call through the JIT)."""
+        self.direct = True
+        """Whether the handle's C launcher is called directly when no launch hook is set (False:
+        through Triton's runner, as before the twelfth session; the launch bench compares both)."""
 
     @property
     def cached(self) -> int:
@@ -116,6 +160,13 @@ class CompiledLaunch:
         key = key if key is not None else (*consts, *specialization_key(args))
         compiled = self._compiled.get(key)  # never filled under the interpreter (below)
         if compiled is not None:
+            if self.direct and launch_hooks_off():
+                try:
+                    compiled.run(grid, 1, 1, _stream_lookup()(), compiled.function, compiled.packed_metadata, None,
+                                 None, None, *args, *consts)
+                    return
+                except Exception:  # this Triton's launcher takes other arguments: its runner from now on
+                    self.direct = False
             try:
                 compiled[(grid, 1, 1)](*args, *consts)
                 return

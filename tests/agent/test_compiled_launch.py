@@ -59,6 +59,79 @@ def test_a_failing_handle_falls_back_to_the_jit_for_good(monkeypatch: pytest.Mon
     assert not launch.fast and launch.cached == 0
 
 
+class _Compiled:
+    """A compiled kernel as Triton 3.6 has it after its first launch: the runner (``[grid]``) and
+    the C launcher (``run``) with its function and packed metadata; ``refuse`` makes the C
+    launcher raise as one of another signature would."""
+
+    def __init__(self, calls: list[Any], refuse: bool = False) -> None:
+        self.calls, self.refuse = calls, refuse
+        self.function, self.packed_metadata = "function", "metadata"
+
+    def __getitem__(self, grid: tuple[int, int, int]) -> Any:
+        return lambda *args: self.calls.append(("runner", grid, args))
+
+    def run(self, *args: Any) -> None:
+        if self.refuse:
+            raise TypeError("function takes exactly 20 arguments")
+        self.calls.append(("c_launcher", *args))
+
+
+@pytest.fixture
+def no_gpu_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The current stream as 77 (this machine has no CUDA stream to look up)."""
+    from fp8guard.agent.kernels import _launch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(_launch, "_stream_lookup", lambda: lambda: 77)
+
+
+@pytest.mark.usefixtures("no_gpu_stream")
+def test_the_c_launcher_is_called_directly_while_no_launch_hook_is_set() -> None:
+    """With Triton's hook chains empty, a cached handle's C launcher gets what Triton's runner
+    would hand it less the launch metadata and the hooks; with a hook set (a profiler), the
+    runner runs, so the hook sees the launch."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from fp8guard.agent.kernels._launch import launch_hooks_off
+
+    calls: list[Any] = []
+    launch = CompiledLaunch()
+    x = torch.zeros(4)
+    jit_calls: list[str] = []
+    compiled = _Compiled(calls)
+    launch(3, (x, 8), (True, 64), lambda: jit_calls.append("jit") or compiled)  # compiles, keeps the handle
+    assert launch_hooks_off()
+    launch(3, (x, 8), (True, 64), lambda: jit_calls.append("jit") or compiled)
+    assert jit_calls == ["jit"]
+    assert calls == [("c_launcher", 3, 1, 1, 77, "function", "metadata", None, None, None, x, 8, True, 64)]
+
+    def hook(metadata: Any) -> None:
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert not launch_hooks_off()
+        launch(3, (x, 8), (True, 64), lambda: jit_calls.append("jit") or compiled)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls[-1] == ("runner", (3, 1, 1), (x, 8, True, 64)) and launch_hooks_off()
+
+
+@pytest.mark.usefixtures("no_gpu_stream")
+def test_a_c_launcher_of_another_signature_leaves_triton_s_runner() -> None:
+    """A C launcher that refuses its arguments (another Triton's) is not called again: that
+    launch and the later ones go through Triton's runner, the handle still used."""
+    pytest.importorskip("triton")
+    calls: list[Any] = []
+    launch = CompiledLaunch()
+    compiled = _Compiled(calls, refuse=True)
+    for _ in range(3):
+        launch(2, (torch.zeros(4),), (), lambda: compiled)
+    assert [c[0] for c in calls] == ["runner", "runner"] and not launch.direct and launch.fast
+
+
 def test_under_the_interpreter_every_call_goes_through_the_jit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls: list[str] = []
