@@ -67,6 +67,10 @@ log = logging.getLogger("fp8guard.agent")
 FEATURE_NAME = "Fp8GuardCounts"
 TENSOR_NAMES: dict[str, str] = {"fwd_input": "activation", "fwd_weight": "weight", "bwd_grad_output": "gradient"}
 """fp8guard's operand roles and the names TE's debug API gives the same tensors."""
+_FORWARD_TENSORS = frozenset({"activation", "weight"})
+"""The tensors a step casts in its forward: one TE hands over again inside a backward (an
+activation recomputed under checkpointing, Linear's ``save_original_input``, a weight
+re-quantized for FSDP) is the same cast again, not another one."""
 _CONFIG_SECTION = "fp8guard_exact_counts"
 
 
@@ -95,6 +99,8 @@ class InspectCounts:
         self.active = True
         self.calls = 0
         """inspect_tensor calls that counted something (a host-side tally, for tests and benches)."""
+        self.repeats = 0
+        """Forward casts handed over again inside a backward, not counted (see :meth:`inspect`)."""
         self.high_precision: frozenset[str] = frozenset()
         """TE layer names whose module runs in high precision (fp8guard's BF16 fallback, or a
         probe's plan): never counted, so TE keeps them off its debug path. There is nothing to
@@ -162,6 +168,13 @@ class InspectCounts:
             return
         target = self.targets.get((layer_name, tensor_name))
         if target is None:
+            return
+        if tensor_name in _FORWARD_TENSORS and torch._C._current_graph_task_id() != -1:
+            # A forward cast inside the autograd engine: activation checkpointing's recompute
+            # (TE's, torch's, LayerNormMLP(checkpoint=True)), Linear's save_original_input cast
+            # for wgrad, a weight re-quantized in backward. TE passes no marker (the same
+            # iteration, the same arguments); the forward already counted these values.
+            self.repeats += 1
             return
         scale_inv = getattr(quantized, "_scale_inv", None)
         if not isinstance(scale_inv, torch.Tensor):
@@ -316,6 +329,9 @@ def attach(counter: InspectCounts) -> None:
                                         "enabled": True, "tensors": list(TENSOR_NAMES.values())}}}}
         debug_api.initialize(config_file=config, feature_dirs=[_te_features_dir()], statistics_logger=_Quiet(),
                              log_dir=tempfile.mkdtemp(prefix="fp8guard-te-debug-"))
+        if not cache_routes_across_iterations():
+            log.warning("fp8guard: nvdlfw-inspect's routing cache has another shape here; TE's per-iteration "
+                        "routing entries will grow with every counted step")
         counter.owning = True
         _Slot.owned_session = True
     else:
@@ -333,6 +349,37 @@ def attach(counter: InspectCounts) -> None:
     if not TEDebugState.debug_enabled:
         TEDebugState.debug_enabled = True
     _Slot.counter = counter
+
+
+def cache_routes_across_iterations() -> bool:
+    """Key nvdlfw-inspect's routing of TE's calls on what decides the route in a debug session
+    fp8guard opened: the layer and tensor, not the iteration. Call it only for such a session.
+
+    TE keys ``inspect_tensor_enabled`` and ``inspect_tensor_postquantize_enabled`` on the
+    iteration too, and nvdlfw-inspect 0.2 keeps every routing entry and every logged call for
+    good (``route_api`` in nvdlfw_inspect/base.py): each counted iteration adds one entry per call
+    site, layer and tensor, 576 on the 604M model, and routes each of those calls from scratch
+    with a debug log message. ``fp8_gemm_enabled`` has no cache key in TE's map at all (its entry
+    is named ``fp8_gemm``): routed from scratch on every call. The iteration is in TE's key
+    because a feature's route may depend on it (``LogTensorStats``' ``freq`` and start and end
+    steps); in a session fp8guard opened only fp8guard's feature is configured, and its route
+    depends on the tensor name alone, so a route found once holds for every iteration (the
+    feature still gets each call's iteration: only which feature to call is cached). Measured
+    with ``python3 bench/te_routing.py`` (docs/gpu.md). Returns False, changing nothing, where
+    nvdlfw-inspect or TE keep their routing otherwise."""
+    try:
+        import nvdlfw_inspect.api as debug_api
+    except Exception:
+        return False
+    apis = getattr(debug_api.DEBUG_MANAGER, "_namespace_apis", None)
+    api = apis.get("transformer_engine") if isinstance(apis, dict) else None
+    keys = getattr(api, "_cacheable_api_kwargs_map", None)
+    if api is None or not isinstance(keys, dict) or not isinstance(getattr(api, "_api_cache", None), dict):
+        return False
+    routed = {name: [k for k in args if k != "iteration"] for name, args in keys.items()}
+    routed.setdefault("fp8_gemm_enabled", ["gemm"])
+    api._cacheable_api_kwargs_map = routed
+    return True
 
 
 def detach(counter: InspectCounts) -> None:

@@ -1,0 +1,166 @@
+"""Transformer Engine's routing through nvdlfw-inspect, on a machine without TE.
+
+TE cannot be imported without CUDA, and its debug path reaches fp8guard's feature through
+nvdlfw-inspect (pure Python, real here). What TE adds is its namespace API (the defaults, the
+routing condition, which call arguments key the routing cache) and the calls its debug quantizers
+make on a debug iteration. Both are copied here from TE 2.20.2 so that nvdlfw-inspect's routing
+runs as it runs under TE:
+
+* :class:`TENamespace`: ``transformer_engine/debug/features/api.py`` (``TransformerEngineAPI``,
+  lines 400-520; ``TEDefaultFeatures``' answers; ``required_kwargs``, line 89);
+* :func:`module_calls`: the routed calls one TE module's debug quantizers make when a debug
+  iteration builds them (``transformer_engine/debug/pytorch/debug_quantization.py``, lines
+  110-255: for the activation, weight and gradient quantizers ``inspect_tensor_enabled``, two
+  ``inspect_tensor_postquantize_enabled``, two ``modify_tensor_enabled``, two
+  ``fp8_gemm_enabled`` and two log messages; for output, dgrad and wgrad ``inspect_tensor_enabled``
+  and ``modify_tensor_enabled``), 6 quantizers a Linear or LayerNormLinear, 12 a LayerNormMLP.
+
+Used by ``bench/te_routing.py`` and ``tests/agent/test_te_routing.py``. On the GPU host TE's own
+classes run instead (``bench/gpu_counts.py time`` and the TE source's tests).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+REQUIRED_KWARGS = {
+    "fp8_gemm_enabled": ["gemm"],
+    "modify_tensor_enabled": ["tensor_name", "gemm"],
+    "modify_tensor": ["tensor_name", "gemm"],
+    "inspect_tensor": ["tensor_name"],
+    "inspect_tensor_postquantize": ["tensor_name"],
+    "inspect_tensor_enabled": ["tensor_name"],
+    "inspect_tensor_postquantize_enabled": ["tensor_name"],
+    "default": ["tensor_name", "gemm"],
+}
+"""TE 2.20.2's ``required_kwargs`` (api.py:89)."""
+
+CACHE_KEYS = {
+    "fp8_gemm": ["gemm"],
+    "modify_tensor": ["tensor_name", "gemm"],
+    "inspect_tensor": ["tensor_name"],
+    "inspect_tensor_postquantize": ["tensor_name"],
+    "inspect_tensor_enabled": ["tensor_name", "iteration"],
+    "inspect_tensor_postquantize_enabled": ["tensor_name", "iteration"],
+    "modify_tensor_enabled": ["tensor_name"],
+}
+"""TE 2.20.2's ``_cacheable_api_kwargs_map`` (api.py:410)."""
+
+QUANTIZERS = {"linear": (("activation", "fprop", "wgrad"), ("weight", "fprop", "dgrad"),
+                         ("gradient", "dgrad", "wgrad"), ("output", "fprop", None), ("dgrad", "dgrad", None),
+                         ("wgrad", "wgrad", None))}
+"""One GEMM's debug quantizers: (tensor, rowwise GEMM, columnwise GEMM)."""
+
+
+def _defaults() -> Any:
+    class TEDefaultFeatures:
+        """TE's answers where no feature is configured for a layer and tensor."""
+
+        def fp8_gemm_enabled(self, config: dict[str, Any], layer_name: str, gemm: str, iteration: int) -> Any:
+            return True, None
+
+        def modify_tensor_enabled(self, config: dict[str, Any], layer_name: str, gemm: str, tensor_name: str,
+                                  iteration: int) -> Any:
+            return False, None
+
+        def inspect_tensor_enabled(self, config: dict[str, Any], layer_name: str, tensor_name: str,
+                                   iteration: int) -> Any:
+            return False, None
+
+        def inspect_tensor_postquantize_enabled(self, config: dict[str, Any], layer_name: str, gemm: str,
+                                                tensor_name: str, iteration: int) -> Any:
+            return False, None
+
+        def inspect_tensor(self, config: dict[str, Any], layer_name: str, **kwargs: Any) -> None:
+            return None
+
+    return TEDefaultFeatures()
+
+
+def install() -> None:
+    """Register the copy of TE's namespace API with nvdlfw-inspect (before ``initialize``)."""
+    from nvdlfw_inspect.base import BaseNamespaceAPI
+    from nvdlfw_inspect.logging import initialize_logger
+    from nvdlfw_inspect.registry import Registry
+
+    class TENamespace(BaseNamespaceAPI):  # type: ignore[misc]
+        """``TransformerEngineAPI`` of TE 2.20.2, less its tensor-type checks."""
+
+        def __init__(self) -> None:
+            BaseNamespaceAPI.__init__(self)
+            self._default_api_impl = _defaults()
+            self._cacheable_api_kwargs_map = {k: list(v) for k, v in CACHE_KEYS.items()}
+
+        def is_multiple_feature_invocation_allowed(self, api_name: str) -> bool:
+            return api_name in {"fp8_gemm_enabled", "inspect_tensor", "inspect_tensor_postquantize",
+                                "inspect_tensor_enabled", "inspect_tensor_postquantize_enabled"}
+
+        def input_assertions_hook(self, api_name: str, **kwargs: Any) -> None:
+            for kwarg in REQUIRED_KWARGS.get(api_name, REQUIRED_KWARGS["default"]):
+                assert kwarg in kwargs, f"Cannot route API, too ambiguous. Provide {kwarg} in {api_name}."
+
+        def routing_condition(self, api_name: str, config: dict[str, Any], _: str, feature_obj: Any,
+                              **kwargs: Any) -> Any:
+            tensor_parsing = "tensor_name" in REQUIRED_KWARGS[api_name]
+            gemm_parsing = "gemm" in REQUIRED_KWARGS[api_name]
+            return feature_obj.parse_config_and_api(config, gemm_parsing=gemm_parsing,
+                                                    tensor_parsing=tensor_parsing, **kwargs)
+
+        def output_assertions_hook(self, api_name: str, ret: Any, **kwargs: Any) -> None:
+            if "enabled" in api_name or api_name == "fp8_gemm":
+                assert isinstance(ret, (bool, tuple))
+            if api_name in ["inspect_tensor", "inspect_tensor_postquantize"]:
+                assert ret is None
+
+        def call_feature(self, call: Callable[..., Any], feat_config: dict[str, Any], layer_name: str,
+                         **kwargs: Any) -> Any:
+            if call.__name__ == "inspect_tensor":
+                kwargs = dict(kwargs)
+                for k in ["quantizer", "columnwise_quantized_tensor", "rowwise_quantized_tensor", "tp_size"]:
+                    if k not in call.__code__.co_varnames:
+                        kwargs.pop(k, None)
+            return call(feat_config, layer_name, **kwargs)
+
+    initialize_logger(tempfile.mkdtemp(prefix="fp8guard-nvdlfw-"))
+    Registry.register_namespace_api(namespace="transformer_engine")(TENamespace)
+
+
+def module_calls(layer_name: str, iteration: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The routed calls (API name, arguments) of one TE GEMM's debug quantizers on a debug
+    iteration, in TE's order; ``("log_message", ...)`` for its two log messages a quantizer."""
+    for tensor, row_gemm, col_gemm in QUANTIZERS["linear"]:
+        yield "inspect_tensor_enabled", {"layer_name": layer_name, "tensor_name": tensor, "iteration": iteration}
+        if col_gemm is None:  # an output: its plan (debug_quantization.py:110-134)
+            yield "modify_tensor_enabled", {"layer_name": layer_name, "gemm": row_gemm, "tensor_name": tensor,
+                                            "iteration": iteration}
+            continue
+        for gemm in (row_gemm, col_gemm):
+            yield "inspect_tensor_postquantize_enabled", {"layer_name": layer_name, "tensor_name": tensor,
+                                                          "iteration": iteration, "gemm": gemm}
+        for gemm in (row_gemm, col_gemm):
+            yield "modify_tensor_enabled", {"layer_name": layer_name, "gemm": gemm, "tensor_name": tensor,
+                                            "iteration": iteration}
+            yield "fp8_gemm_enabled", {"layer_name": layer_name, "gemm": gemm, "iteration": iteration}
+        for gemm in (row_gemm, col_gemm):
+            yield "log_message", {"msg": f"Tensor: {tensor}, gemm {gemm} - FP8 Quantize", "layer_name": layer_name,
+                                  "extra_cachable_args": (gemm, tensor)}
+
+
+def layer_names(layers: int) -> list[str]:
+    """TE's layer names for the GEMMs of a TransformerLayer stack (LayerNormMLP's two: fc1, fc2)."""
+    return [f"layers.{i}.{m}" for i in range(layers)
+            for m in ("self_attention.layernorm_qkv", "self_attention.proj", "layernorm_mlp.fc1", "layernorm_mlp.fc2")]
+
+
+def run_iteration(debug_api: Any, names: list[str], iteration: int) -> list[Any]:
+    """Every routed call of one debug iteration for ``names``, through ``debug_api``; the answers."""
+    out = []
+    for name in names:
+        for api, kwargs in module_calls(name, iteration):
+            if api == "log_message":
+                debug_api.log_message(**kwargs)
+            else:
+                out.append(getattr(debug_api.transformer_engine, api)(**kwargs))
+    return out

@@ -1,0 +1,136 @@
+"""What nvdlfw-inspect's routing of TE's debug calls costs the host per counted step, and what it
+keeps: TE's own cache keys against the keys fp8guard sets in a debug session it opened
+(``te_inspect.cache_routes_across_iterations``), side by side.
+
+    python3 bench/te_routing.py [--layers 12] [--iterations 300] [--rounds 3] [--out DIR]
+
+Runs on the CPU: nvdlfw-inspect is real, TE's namespace API and its debug quantizers' calls are
+copied from TE 2.20.2 (``bench/_te_namespace.py``; TE itself needs CUDA), fp8guard's feature
+answers as in training (counting every 10th step). Each way opens a fresh debug session and runs
+``--iterations`` counted iterations of every call the model's TE modules make when a debug
+iteration builds their quantizers (1,296 routed calls and 288 log messages for 12 layers),
+rounds alternating; then, under ``tracemalloc``, what the session holds after as many iterations.
+Both ways must give the same answers call by call. The routing of TE's own features (loaded
+from its features folder under TE, absent here) is not in these figures: under TE each call that
+misses the cache also asks each of them, so a miss costs more there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+EVERY = 10
+"""Counting every this many steps: the counted iterations are its multiples."""
+
+
+def _session(way: str, layers: int) -> tuple[Any, list[str]]:
+    """A fresh debug session with fp8guard's feature and counter, routed ``way``."""
+    import nvdlfw_inspect.api as debug_api
+    import torch
+    from nvdlfw_inspect.logging import BaseLogger
+
+    from bench import _te_namespace
+    from fp8guard.agent.fp8 import Fp8Format
+    from fp8guard.agent.sources import te_inspect
+
+    if debug_api.DEBUG_MANAGER is not None:
+        debug_api.end_debug()
+    te_inspect.register_feature()
+    _te_namespace.install()
+
+    class Quiet(BaseLogger):  # type: ignore[misc]
+        def log_scalar(self, name: str, value: float | int, iteration: int, **kwargs: Any) -> None:
+            return None
+
+    config = {"fp8guard": {"enabled": True, "layers": {"layer_name_regex_pattern": ".*"},
+                           "transformer_engine": {te_inspect.FEATURE_NAME: {
+                               "enabled": True, "tensors": list(te_inspect.TENSOR_NAMES.values())}}}}
+    debug_api.initialize(config_file=config, feature_dirs=[], statistics_logger=Quiet(),
+                         log_dir=tempfile.mkdtemp(prefix="fp8guard-te-routing-"))
+    if way == "fp8guard_keys" and not te_inspect.cache_routes_across_iterations():
+        raise SystemExit("cache_routes_across_iterations found no routing map to change")
+    names = _te_namespace.layer_names(layers)
+    targets = {(n, t): (i * 3 + j, Fp8Format.E4M3) for i, n in enumerate(names)
+               for j, t in enumerate(te_inspect.TENSOR_NAMES.values())}
+    counter = te_inspect.InspectCounts(targets, torch.zeros(len(targets), 2, dtype=torch.int64))
+    counter.owning, counter.every, counter.armed = True, EVERY, True
+    te_inspect._Slot.counter = counter
+    return debug_api, names
+
+
+def _entries(debug_api: Any) -> dict[str, int]:
+    from nvdlfw_inspect.logging import get_logger
+
+    api = debug_api.DEBUG_MANAGER._namespace_apis["transformer_engine"]
+    return {"routing_cache": len(api._api_cache), "logged_calls": len(get_logger().logged_api_encountered)}
+
+
+def measure(layers: int = 12, iterations: int = 300, rounds: int = 3) -> dict[str, Any]:
+    try:
+        import nvdlfw_inspect  # noqa: F401
+        import torch  # noqa: F401
+    except Exception as exc:
+        return {"bench": "te_routing", "skipped": f"needs torch and nvdlfw-inspect: {exc}"}
+    from bench import _te_namespace
+
+    ways = ("te_keys", "fp8guard_keys")
+    per_iteration_ms: dict[str, list[float]] = {w: [] for w in ways}
+    answers: dict[str, list[Any]] = {}
+    held: dict[str, dict[str, Any]] = {}
+    for r in range(rounds):
+        for way in ways if r % 2 == 0 else tuple(reversed(ways)):
+            debug_api, names = _session(way, layers)
+            got = []
+            for k in range(iterations):
+                t0 = time.perf_counter()
+                got.append(_te_namespace.run_iteration(debug_api, names, k * EVERY))
+                per_iteration_ms[way].append((time.perf_counter() - t0) * 1e3)
+            answers.setdefault(way, got)
+            held[way] = _entries(debug_api)
+            debug_api.end_debug()
+    memory: dict[str, float] = {}
+    for way in ways:  # what the session holds after the iterations, traced apart from the timing
+        debug_api, names = _session(way, layers)
+        _te_namespace.run_iteration(debug_api, names, 0)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(1, iterations + 1):
+            _te_namespace.run_iteration(debug_api, names, k * EVERY)
+        memory[way] = round((tracemalloc.get_traced_memory()[0] - before) / iterations / 1e3, 2)
+        tracemalloc.stop()
+        debug_api.end_debug()
+    calls = sum(1 for _ in _te_namespace.module_calls("x", 0))
+    median = {w: round(statistics.median(v), 3) for w, v in per_iteration_ms.items()}
+    return {"bench": "te_routing", "layers": layers, "gemm_layers": 4 * layers, "counted_iterations": iterations,
+            "rounds": rounds, "routed_calls_per_iteration": 4 * layers * (calls - 6),
+            "log_messages_per_iteration": 4 * layers * 6, "host_ms_per_counted_iteration_median": median,
+            "host_ms_min_max": {w: [round(min(v), 3), round(max(v), 3)] for w, v in per_iteration_ms.items()},
+            "entries_after": held, "held_kb_per_counted_iteration": memory,
+            "same_answers": answers["te_keys"] == answers["fp8guard_keys"],
+            "answers_to_count": sum(1 for it in answers["fp8guard_keys"] for a in it
+                                    if isinstance(a, tuple) and a[0] is True and a[1] is not None)}
+
+
+def main() -> None:
+    from bench._te_model import write_result
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12, help="TransformerLayers (4 TE GEMM layers each)")
+    parser.add_argument("--iterations", type=int, default=300, help="counted iterations per way and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="folder for te_routing.json")
+    args = parser.parse_args()
+    write_result(measure(args.layers, args.iterations, args.rounds), args.out, "te_routing.json")
+
+
+if __name__ == "__main__":
+    main()

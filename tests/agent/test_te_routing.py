@@ -1,0 +1,135 @@
+"""TE's debug calls routed through the real nvdlfw-inspect, with the routing keys fp8guard sets in
+a debug session it opened; and forward casts TE hands over again inside a backward.
+
+TE's namespace API and its debug quantizers' calls are copied from TE 2.20.2
+(``bench/_te_namespace.py``): TE cannot be imported without CUDA. The GPU runs in docs/gpu.md use
+TE's own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nvdlfw_inspect")
+
+from bench import te_routing  # noqa: E402
+from bench._te_namespace import layer_names, run_iteration  # noqa: E402
+from fp8guard.agent.fp8 import Fp8Format, quantize  # noqa: E402
+from fp8guard.agent.sources import te_inspect  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def session() -> Iterator[Any]:
+    """Opens a debug session as bench/te_routing.py does; closes it and forgets the counter."""
+    import nvdlfw_inspect.api as debug_api
+
+    yield lambda way, layers=2: te_routing._session(way, layers)
+    if debug_api.DEBUG_MANAGER is not None:
+        debug_api.end_debug()
+    te_inspect._Slot.counter = None
+
+
+def _schedule(debug_api: Any, names: list[str], iterations: list[int], stagger_from: int | None = None) -> list[Any]:
+    counter = te_inspect._Slot.counter
+    assert counter is not None
+    counter.stagger_from = stagger_from
+    counter.module_of = {n: i // 2 for i, n in enumerate(names)}
+    return [run_iteration(debug_api, names, it) for it in iterations]
+
+
+# counted steps, one that is not, then a rollback: the iteration goes back and forward again
+ITERATIONS = [0, 10, 20, 23, 30, 40, 20, 30, 31, 40, 50]
+
+
+@pytest.mark.parametrize("stagger_from", [None, 0])
+def test_routes_keyed_without_the_iteration_answer_as_te_s_keys_do(session: Any, stagger_from: int | None) -> None:
+    """Call by call the same answers (fp8guard's feature still gets each call's iteration: a
+    staggered schedule answers differently per layer and iteration), and nvdlfw-inspect's routing
+    cache and logged calls stop growing once every route was found."""
+    debug_api, names = session("te_keys")
+    expected = _schedule(debug_api, names, ITERATIONS, stagger_from)
+    grown = te_routing._entries(debug_api)
+    debug_api.end_debug()
+    debug_api, names = session("fp8guard_keys")
+    got = _schedule(debug_api, names, ITERATIONS[:3], stagger_from)
+    held = te_routing._entries(debug_api)
+    got += _schedule(debug_api, names, ITERATIONS[3:], stagger_from)
+    assert got == expected
+    assert any(a == (True, 20) for it in got for a in it)  # fp8guard's own answers are in there
+    if stagger_from is not None:
+        assert len({json.dumps(it) for it in got}) > 3  # answers differ from iteration to iteration
+    assert te_routing._entries(debug_api) == held  # nothing new after the first iterations
+    assert grown["routing_cache"] > 3 * held["routing_cache"]  # TE's keys: entries for every iteration
+
+
+def test_no_session_or_another_shape_changes_nothing(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvdlfw_inspect.api as debug_api
+
+    monkeypatch.setattr(debug_api, "DEBUG_MANAGER", None)
+    assert te_inspect.cache_routes_across_iterations() is False
+    monkeypatch.setattr(debug_api, "DEBUG_MANAGER", SimpleNamespace(_namespace_apis={"transformer_engine": object()}))
+    assert te_inspect.cache_routes_across_iterations() is False
+
+
+class _Twice(torch.autograd.Function):
+    """Hands the counter an activation in its forward, and in its backward the same activation
+    again (a recompute) and a gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counter: Any) -> torch.Tensor:
+        ctx.counter = counter
+        ctx.save_for_backward(x)
+        counter.inspect("layer0.qkv", "activation", x, _cast(x), SimpleNamespace(), 0)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        ctx.counter.inspect("layer0.qkv", "activation", x, _cast(x), SimpleNamespace(), 0)  # recomputed
+        ctx.counter.inspect("layer0.qkv", "gradient", g, _cast(g), SimpleNamespace(), 0)
+        return g * 2, None
+
+
+def _cast(x: torch.Tensor) -> SimpleNamespace:
+    scale = torch.tensor([Fp8Format.E4M3.fp8_max / 4.0])
+    return SimpleNamespace(_data=quantize(x.detach(), scale[0], Fp8Format.E4M3).view(torch.uint8),
+                           _scale_inv=torch.reciprocal(scale), _fp8_dtype="E4M3")
+
+
+def test_a_forward_cast_handed_over_again_inside_a_backward_is_not_counted_twice() -> None:
+    targets = {("layer0.qkv", "activation"): (0, Fp8Format.E4M3), ("layer0.qkv", "gradient"): (1, Fp8Format.E4M3)}
+    counter = te_inspect.InspectCounts(targets, torch.zeros(2, 2, dtype=torch.int64))
+    counter.armed = True
+    x = torch.tensor([100.0, 1e-9, 1.0, -100.0], requires_grad=True)  # 2 overflows, 1 underflow
+    _Twice.apply(x, counter).mul(torch.tensor([1e-9, 1.0, 1.0, 100.0])).sum().backward()
+    assert counter.counts[0].tolist() == [2, 1]  # once, from the forward
+    assert counter.counts[1].tolist() == [1, 1]  # the gradient, counted inside the backward
+    assert counter.calls == 2 and counter.repeats == 1
+
+
+@pytest.mark.slow
+def test_routing_bench_runs_on_the_cpu(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "bench/te_routing.py", "--layers", "2", "--iterations", "20", "--rounds",
+                           "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "te_routing.json").read_text())
+    assert result["same_answers"] and result["answers_to_count"] > 0
+    assert result["routed_calls_per_iteration"] == 8 * 27 and result["log_messages_per_iteration"] == 8 * 6
+    assert result["entries_after"]["fp8guard_keys"]["routing_cache"] < result["entries_after"]["te_keys"]["routing_cache"]
+    assert result["held_kb_per_counted_iteration"]["te_keys"] > 10 * result["held_kb_per_counted_iteration"]["fp8guard_keys"]
+
+
+def test_layer_names_follow_te_s_transformer_layer() -> None:
+    assert layer_names(1) == ["layers.0.self_attention.layernorm_qkv", "layers.0.self_attention.proj",
+                              "layers.0.layernorm_mlp.fc1", "layers.0.layernorm_mlp.fc2"]
