@@ -14,8 +14,8 @@ class _Modes:
     """The TE model with fp8guard attached, and the switch between the modes ``time`` and
     ``profile`` compare: plain FP8 (TE's debug mode off), the Monitor with counting off, counting
     every 10th step (all modules at once, or staggered: ``MonitorConfig.count_stagger``), counting
-every step, and TE's debug path alone (counting armed, fp8guard's
-    kernel skipped)."""
+    every step (with fp8guard's routing keys for nvdlfw-inspect, or TE's own), and TE's debug path
+    alone (counting armed, fp8guard's kernel skipped)."""
 
     def __init__(self, args: argparse.Namespace, bench: str) -> None:
         torch, _ = require_te(bench)
@@ -50,19 +50,27 @@ every step, and TE's debug path alone (counting armed, fp8guard's
             self.state.debug_enabled = False
             return
         self.state.debug_enabled = True
+        # TE's own routing keys for nvdlfw-inspect in one mode, fp8guard's in the others
+        self.te_inspect.cache_routes_across_iterations(mode != "counts_every_step_te_routes")
         self.monitor.config.count_stagger = mode == "counts_every_10_staggered"
         self.monitor.set_count_interval({"agent_no_counts": 0, "counts_every_10": 10, "counts_every_10_staggered": 10,
-                                         "counts_every_step": 1, "debug_path_only": 1}[mode])
+                                         "counts_every_step": 1, "counts_every_step_te_routes": 1,
+                                         "debug_path_only": 1}[mode])
 
     def step(self) -> None:
         self.m.step(None if self.mode == "plain" else self.monitor)
 
     def restore(self) -> None:
         self.te_inspect.count_cast_into = self.real
+        self.te_inspect.cache_routes_across_iterations(True)
 
 
 _TIME_MODES = ("plain", "agent_no_counts", "counts_every_10", "counts_every_10_staggered", "counts_every_step",
-               "debug_path_only")
+               "debug_path_only", "counts_every_step_te_routes")
+"""Every mode ``time`` knows; ``counts_every_step_te_routes`` (counting every step with TE's own
+routing keys for nvdlfw-inspect, twelfth session) runs only when ``--modes`` names it."""
+DEFAULT_TIME_MODES = _TIME_MODES[:-1]
+"""The modes ``time`` compares by default."""
 
 
 def _round_order(modes: list[str], r: int) -> list[str]:

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._counts_kernels import kernel_sweep
-from bench._counts_modes import _TIME_MODES
+from bench._counts_modes import _TIME_MODES, DEFAULT_TIME_MODES
 from bench._counts_parts import parts
 from bench._counts_profile import profile_modes
 from bench._counts_time import time_modes
@@ -53,8 +53,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3, help="profile: steps per mode per profiler")
     parser.add_argument("--trace", action="store_true", help="profile: write the counted steps' chrome trace")
     parser.add_argument("--tag", default="", help="time, profile, parts: suffix of the result file's name")
-    parser.add_argument("--modes", default=",".join(_TIME_MODES),
-                        help="time: the modes compared, comma-separated (plain is always timed)")
+    parser.add_argument("--modes", default=",".join(DEFAULT_TIME_MODES),
+                        help=f"time: the modes compared, comma-separated, of {', '.join(_TIME_MODES)} "
+                             "(plain is always timed)")
     parser.add_argument("--budget-s", type=float, default=120.0, help="parts: stop starting rounds after this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -351,7 +351,7 @@ def attach(counter: InspectCounts) -> None:
     _Slot.counter = counter
 
 
-def cache_routes_across_iterations() -> bool:
+def cache_routes_across_iterations(on: bool = True) -> bool:
     """Key nvdlfw-inspect's routing of TE's calls on what decides the route in a debug session
     fp8guard opened: the layer and tensor, not the iteration. Call it only for such a session.
 
@@ -365,8 +365,9 @@ def cache_routes_across_iterations() -> bool:
     steps); in a session fp8guard opened only fp8guard's feature is configured, and its route
     depends on the tensor name alone, so a route found once holds for every iteration (the
     feature still gets each call's iteration: only which feature to call is cached). Measured
-    with ``python3 bench/te_routing.py`` (docs/gpu.md). Returns False, changing nothing, where
-    nvdlfw-inspect or TE keep their routing otherwise."""
+    with ``python3 bench/te_routing.py`` (docs/gpu.md). ``on=False`` puts TE's keys back (the GPU
+    bench times both). Returns False, changing nothing, where nvdlfw-inspect or TE keep their
+    routing otherwise."""
     try:
         import nvdlfw_inspect.api as debug_api
     except Exception:
@@ -376,9 +377,11 @@ def cache_routes_across_iterations() -> bool:
     keys = getattr(api, "_cacheable_api_kwargs_map", None)
     if api is None or not isinstance(keys, dict) or not isinstance(getattr(api, "_api_cache", None), dict):
         return False
-    routed = {name: [k for k in args if k != "iteration"] for name, args in keys.items()}
+    te_keys = getattr(api, "_fp8guard_te_keys", None) or keys
+    api._fp8guard_te_keys = te_keys
+    routed = {name: [k for k in args if k != "iteration"] for name, args in te_keys.items()}
     routed.setdefault("fp8_gemm_enabled", ["gemm"])
-    api._cacheable_api_kwargs_map = routed
+    api._cacheable_api_kwargs_map = routed if on else te_keys
     return True
 
 

@@ -73,6 +73,21 @@ def test_routes_keyed_without_the_iteration_answer_as_te_s_keys_do(session: Any,
     assert grown["routing_cache"] > 3 * held["routing_cache"]  # TE's keys: entries for every iteration
 
 
+def test_te_s_keys_come_back_when_asked(session: Any) -> None:
+    """``on=False`` (the GPU bench's ``counts_every_step_te_routes`` mode) puts TE's own keys back;
+    on again, fp8guard's."""
+    from bench._te_namespace import CACHE_KEYS
+
+    debug_api, _ = session("fp8guard_keys")
+    api = debug_api.DEBUG_MANAGER._namespace_apis["transformer_engine"]
+    assert api._cacheable_api_kwargs_map["inspect_tensor_enabled"] == ["tensor_name"]
+    assert te_inspect.cache_routes_across_iterations(False)
+    assert api._cacheable_api_kwargs_map == CACHE_KEYS
+    assert te_inspect.cache_routes_across_iterations(True)
+    assert api._cacheable_api_kwargs_map == {**{k: [a for a in v if a != "iteration"] for k, v in CACHE_KEYS.items()},
+                                             "fp8_gemm_enabled": ["gemm"]}
+
+
 def test_no_session_or_another_shape_changes_nothing(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import nvdlfw_inspect.api as debug_api
 
