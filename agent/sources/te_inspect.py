@@ -374,14 +374,15 @@ def cache_routes_across_iterations(on: bool = True) -> bool:
         return False
     apis = getattr(debug_api.DEBUG_MANAGER, "_namespace_apis", None)
     api = apis.get("transformer_engine") if isinstance(apis, dict) else None
-    keys = getattr(api, "_cacheable_api_kwargs_map", None)
-    if api is None or not isinstance(keys, dict) or not isinstance(getattr(api, "_api_cache", None), dict):
+    # (the instance's own attributes: a namespace API answers any other name with a routed call)
+    state = getattr(api, "__dict__", {})
+    keys, cache = state.get("_cacheable_api_kwargs_map"), state.get("_api_cache")
+    if not isinstance(keys, dict) or not isinstance(cache, dict):
         return False
-    te_keys = getattr(api, "_fp8guard_te_keys", None) or keys
-    api._fp8guard_te_keys = te_keys
+    te_keys = state.setdefault("_fp8guard_te_keys", keys)
     routed = {name: [k for k in args if k != "iteration"] for name, args in te_keys.items()}
     routed.setdefault("fp8_gemm_enabled", ["gemm"])
-    api._cacheable_api_kwargs_map = routed if on else te_keys
+    state["_cacheable_api_kwargs_map"] = routed if on else te_keys
     return True
 
 
