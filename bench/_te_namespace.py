@@ -7,7 +7,8 @@ make on a debug iteration. Both are copied here from TE 2.20.2 so that nvdlfw-in
 runs as it runs under TE:
 
 * :class:`TENamespace`: ``transformer_engine/debug/features/api.py`` (``TransformerEngineAPI``,
-  lines 400-520; ``TEDefaultFeatures``' answers; ``required_kwargs``, line 89);
+  lines 400-520; ``TEDefaultFeatures``' answers; ``required_kwargs``, line 89), and the features
+  TE registers from its features folder (:data:`TE_FEATURES`, never configured here);
 * :func:`module_calls`: the routed calls one TE module's debug quantizers make when a debug
   iteration builds them (``transformer_engine/debug/pytorch/debug_quantization.py``, lines
   110-255: for the activation, weight and gradient quantizers ``inspect_tensor_enabled``, two
@@ -125,6 +126,40 @@ def install() -> None:
 
     initialize_logger(tempfile.mkdtemp(prefix="fp8guard-nvdlfw-"))
     Registry.register_namespace_api(namespace="transformer_engine")(TENamespace)
+    for feature in _te_features():
+        Registry.register_feature(namespace="transformer_engine")(feature)
+
+
+TE_FEATURES = {
+    "TestDummyFeature": ("inspect_tensor_enabled", "inspect_tensor"),
+    "DisableQuantizationGEMM": ("fp8_gemm_enabled",), "DisableQuantizationLayer": ("fp8_gemm_enabled",),
+    "DisableFP8GEMM": ("fp8_gemm_enabled",), "DisableFP8Layer": ("fp8_gemm_enabled",),
+    "DumpTensors": ("inspect_tensor_enabled", "inspect_tensor"),
+    "FakeQuant": ("fp8_gemm_enabled", "modify_tensor_enabled", "modify_tensor"),
+    "LogFp8TensorStats": ("inspect_tensor_enabled", "inspect_tensor"),
+    "LogNvfp4TensorStats": ("inspect_tensor_enabled", "inspect_tensor"),
+    "LogTensorStats": ("inspect_tensor_enabled", "inspect_tensor"),
+    "PerTensorScaling": ("fp8_gemm", "modify_tensor_enabled", "modify_tensor"),
+}
+"""The features TE 2.20.2 registers from its features folder (transformer_engine/debug/features/),
+with the APIs each implements. A session configures none of them here, but nvdlfw-inspect's
+routing of a call that misses its cache looks each one implementing the call up in the layer's
+config, so they are registered (under their names, with those APIs) for the misses to cost what
+they cost under TE."""
+
+
+def _te_features() -> list[type]:
+    from nvdlfw_inspect.registry import api_method
+
+    features = []
+    for name, apis in TE_FEATURES.items():  # (never configured here, so never called)
+        methods = {api: api_method(lambda self, config, *a, **k: (False, None)) for api in apis}
+
+        def parse_config_and_api(self: Any, config: dict[str, Any], **kwargs: Any) -> tuple[bool, None]:
+            return bool(config.get("enabled", False)), None
+
+        features.append(type(name, (), {**methods, "parse_config_and_api": parse_config_and_api}))
+    return features
 
 
 def module_calls(layer_name: str, iteration: int) -> Iterator[tuple[str, dict[str, Any]]]:
