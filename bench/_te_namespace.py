@@ -22,6 +22,7 @@ classes run instead (``bench/gpu_counts.py time`` and the TE source's tests).
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -80,6 +81,16 @@ def _defaults() -> Any:
     return TEDefaultFeatures()
 
 
+@functools.cache
+def _logs() -> tempfile.TemporaryDirectory[str]:
+    return tempfile.TemporaryDirectory(prefix="fp8guard-nvdlfw-")
+
+
+def log_dir() -> str:
+    """One folder a process for nvdlfw-inspect's log files, removed when the process ends."""
+    return _logs().name
+
+
 def install() -> None:
     """Register the copy of TE's namespace API with nvdlfw-inspect (before ``initialize``)."""
     from nvdlfw_inspect.base import BaseNamespaceAPI
@@ -124,7 +135,7 @@ def install() -> None:
                         kwargs.pop(k, None)
             return call(feat_config, layer_name, **kwargs)
 
-    initialize_logger(tempfile.mkdtemp(prefix="fp8guard-nvdlfw-"))
+    initialize_logger(log_dir())
     Registry.register_namespace_api(namespace="transformer_engine")(TENamespace)
     for feature in _te_features():
         Registry.register_feature(namespace="transformer_engine")(feature)

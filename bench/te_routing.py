@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -55,7 +54,7 @@ def _session(way: str, layers: int) -> tuple[Any, list[str]]:
                            "transformer_engine": {te_inspect.FEATURE_NAME: {
                                "enabled": True, "tensors": list(te_inspect.TENSOR_NAMES.values())}}}}
     debug_api.initialize(config_file=config, feature_dirs=[], statistics_logger=Quiet(),
-                         log_dir=tempfile.mkdtemp(prefix="fp8guard-te-routing-"))
+                         log_dir=_te_namespace.log_dir())
     if way == "fp8guard_keys" and not te_inspect.cache_routes_across_iterations():
         raise SystemExit("cache_routes_across_iterations found no routing map to change")
     names = _te_namespace.layer_names(layers)
