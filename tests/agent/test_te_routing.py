@@ -133,6 +133,25 @@ def test_a_forward_cast_handed_over_again_inside_a_backward_is_not_counted_twice
     assert counter.calls == 2 and counter.repeats == 1
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_s_recompute_is_not_counted_again(reentrant: bool) -> None:
+    """torch's checkpoint runs the forward again inside the backward: the activation it hands over
+    there is not counted a second time (reentrant and not)."""
+    from torch.utils.checkpoint import checkpoint
+
+    targets = {("layer0.qkv", "activation"): (0, Fp8Format.E4M3)}
+    counter = te_inspect.InspectCounts(targets, torch.zeros(1, 2, dtype=torch.int64))
+    counter.armed = True
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        counter.inspect("layer0.qkv", "activation", x, _cast(x), SimpleNamespace(), 0)
+        return x.sin() * 2  # saves x: the backward needs it, so the forward runs again
+
+    x = torch.tensor([100.0, 1e-9, 1.0, -100.0], requires_grad=True)
+    checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+    assert counter.counts[0].tolist() == [2, 1] and counter.calls == 1 and counter.repeats == 1
+
+
 @pytest.mark.slow
 def test_routing_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "bench/te_routing.py", "--layers", "2", "--iterations", "20", "--rounds",
