@@ -173,25 +173,42 @@ def _te_features() -> list[type]:
     return features
 
 
+SITES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    # One line each: nvdlfw-inspect keys its routing cache on the caller's file and line too, and
+    # TE's debug quantizers ask from these nine places (debug_quantization.py:119-224).
+    "output_inspect": lambda api, kw: api.transformer_engine.inspect_tensor_enabled(**kw),
+    "output_modify": lambda api, kw: api.transformer_engine.modify_tensor_enabled(**kw),
+    "inspect": lambda api, kw: api.transformer_engine.inspect_tensor_enabled(**kw),
+    "postquantize_row": lambda api, kw: api.transformer_engine.inspect_tensor_postquantize_enabled(**kw),
+    "postquantize_col": lambda api, kw: api.transformer_engine.inspect_tensor_postquantize_enabled(**kw),
+    "modify_row": lambda api, kw: api.transformer_engine.modify_tensor_enabled(**kw),
+    "fp8_gemm_row": lambda api, kw: api.transformer_engine.fp8_gemm_enabled(**kw),
+    "modify_col": lambda api, kw: api.transformer_engine.modify_tensor_enabled(**kw),
+    "fp8_gemm_col": lambda api, kw: api.transformer_engine.fp8_gemm_enabled(**kw),
+    "log": lambda api, kw: api.log_message(**kw),
+}
+"""How each of TE's call sites reaches nvdlfw-inspect (``log``: its plan messages)."""
+
+
 def module_calls(layer_name: str, iteration: int) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The routed calls (API name, arguments) of one TE GEMM's debug quantizers on a debug
-    iteration, in TE's order; ``("log_message", ...)`` for its two log messages a quantizer."""
+    """The calls (call site of :data:`SITES`, arguments) of one TE GEMM's debug quantizers on a
+    debug iteration, in TE's order: per quantizer of the activation, weight and gradient 7 routed
+    calls and 2 log messages, per output quantizer (output, dgrad, wgrad) 2 routed calls."""
     for tensor, row_gemm, col_gemm in QUANTIZERS["linear"]:
-        yield "inspect_tensor_enabled", {"layer_name": layer_name, "tensor_name": tensor, "iteration": iteration}
+        asked = {"layer_name": layer_name, "tensor_name": tensor, "iteration": iteration}
         if col_gemm is None:  # an output: its plan (debug_quantization.py:110-134)
-            yield "modify_tensor_enabled", {"layer_name": layer_name, "gemm": row_gemm, "tensor_name": tensor,
-                                            "iteration": iteration}
+            yield "output_inspect", asked
+            yield "output_modify", {**asked, "gemm": row_gemm}
             continue
+        yield "inspect", asked
+        yield "postquantize_row", {**asked, "gemm": row_gemm}
+        yield "postquantize_col", {**asked, "gemm": col_gemm}
+        for side, gemm in (("row", row_gemm), ("col", col_gemm)):
+            yield f"modify_{side}", {**asked, "gemm": gemm}
+            yield f"fp8_gemm_{side}", {"layer_name": layer_name, "gemm": gemm, "iteration": iteration}
         for gemm in (row_gemm, col_gemm):
-            yield "inspect_tensor_postquantize_enabled", {"layer_name": layer_name, "tensor_name": tensor,
-                                                          "iteration": iteration, "gemm": gemm}
-        for gemm in (row_gemm, col_gemm):
-            yield "modify_tensor_enabled", {"layer_name": layer_name, "gemm": gemm, "tensor_name": tensor,
-                                            "iteration": iteration}
-            yield "fp8_gemm_enabled", {"layer_name": layer_name, "gemm": gemm, "iteration": iteration}
-        for gemm in (row_gemm, col_gemm):
-            yield "log_message", {"msg": f"Tensor: {tensor}, gemm {gemm} - FP8 Quantize", "layer_name": layer_name,
-                                  "extra_cachable_args": (gemm, tensor)}
+            yield "log", {"msg": f"Tensor: {tensor}, gemm {gemm} - FP8 Quantize", "layer_name": layer_name,
+                          "extra_cachable_args": (gemm, tensor)}
 
 
 def layer_names(layers: int) -> list[str]:
@@ -201,12 +218,12 @@ def layer_names(layers: int) -> list[str]:
 
 
 def run_iteration(debug_api: Any, names: list[str], iteration: int) -> list[Any]:
-    """Every routed call of one debug iteration for ``names``, through ``debug_api``; the answers."""
+    """Every call of one debug iteration for ``names``, through ``debug_api``; the routed calls'
+    answers."""
     out = []
     for name in names:
-        for api, kwargs in module_calls(name, iteration):
-            if api == "log_message":
-                debug_api.log_message(**kwargs)
-            else:
-                out.append(getattr(debug_api.transformer_engine, api)(**kwargs))
+        for site, kwargs in module_calls(name, iteration):
+            answer = SITES[site](debug_api, kwargs)
+            if site != "log":
+                out.append(answer)
     return out

@@ -5,13 +5,15 @@ alternating in one process. For a kernel change, before it lands or after:
     git show <rev>:agent/kernels/counts.py > /tmp/counts_old.py
     python3 bench/gpu_count_kernel_ab.py --old /tmp/counts_old.py --out DIR
 
+or, without ``--old``, the kernel as it is against its candidate settings alone.
+
 Three ways each: the real bytes (words), the bytes with no tile flagged (every byte mid-range:
 the word test alone, which must count nothing), the bytes tested one by one (``BYTES_IN_WORDS``
 off); and the new module's candidate settings (``bench/_count_probe.py``'s ``SETTINGS``: a flagged
 tile's flagged rows read one by one, two tiles' words loading while one is tested), on the real
 bytes and on the clean ones. Every way's counts are checked (``same_counts``, ``wrong_counts``)
-before it is timed. Needs CUDA and Triton, no
-Transformer Engine. Prints one JSON line and writes ``gpu_count_kernel_ab.json``.
+before it is timed. Needs CUDA and Triton, no Transformer Engine. Prints one JSON line and writes
+``gpu_count_kernel_ab.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _load(path: str) -> ModuleType:
     return module
 
 
-def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
+def measure(old_path: str | None, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
     import torch
 
     from bench import _count_probe as probe
@@ -47,7 +49,7 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
 
     if not torch.cuda.is_available() or not triton_available(torch.device("cuda")):
         skip("gpu_count_kernel_ab", "needs a CUDA GPU and Triton")
-    old = _load(old_path)
+    old = _load(old_path) if old_path else None
     ops = [op for op in probe.synthetic_operands() if op.q is not None]
     clean = [probe.Operand(op.layer, op.tensor, op.recipe, op.x, torch.full_like(op.q, 0x30), op.scale,
                            op.scale_inv, op.fmt) for op in ops]
@@ -71,13 +73,15 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
 
     got = {}
     for name, module in (("old", old), ("new", new)):
-        dst.zero_()
-        body(module, ops)()
-        torch.cuda.synchronize()
-        got[name] = dst.clone()
-    ways = {"old": body(old, ops), "new": body(new, ops), "old_clean": body(old, clean),
-            "new_clean": body(new, clean), "old_bytewise": body(old, ops, BYTES_IN_WORDS=False),
-            "new_bytewise": body(new, ops, BYTES_IN_WORDS=False)}
+        if module is not None:
+            dst.zero_()
+            body(module, ops)()
+            torch.cuda.synchronize()
+            got[name] = dst.clone()
+    ways = {"new": body(new, ops), "new_clean": body(new, clean), "new_bytewise": body(new, ops, BYTES_IN_WORDS=False)}
+    if old is not None:
+        ways.update({"old": body(old, ops), "old_clean": body(old, clean),
+                     "old_bytewise": body(old, ops, BYTES_IN_WORDS=False)})
     for name, settings in probe.SETTINGS.items():  # the new module's candidates, real and clean bytes
         if name != "bytes_bytewise":
             ways[f"new_{name.removeprefix('bytes_')}"] = body(new, ops, **settings)
@@ -97,7 +101,8 @@ def measure(old_path: str, rounds: int = 5, repeats: int = 5) -> dict[str, Any]:
     median = {name: statistics.median(row[name] for row in rows) for name in ways}
     nbytes = sum(op.q.numel() for op in ops)
     return {"bench": "gpu_count_kernel_ab", "device": torch.cuda.get_device_name(), "old": old_path,
-            "same_counts": bool(torch.equal(got["old"], got["new"])) and not wrong, "wrong_counts": wrong,
+            "same_counts": ("old" not in got or bool(torch.equal(got["old"], got["new"]))) and not wrong,
+            "wrong_counts": wrong,
             "rounds": rows, "median_ms": median,
             "GBps": {name: round(nbytes / 1e6 / ms) for name, ms in median.items()}}
 
@@ -106,7 +111,8 @@ def main() -> None:
     from bench._te_model import write_result
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", required=True, help="another version's agent/kernels/counts.py")
+    parser.add_argument("--old", default=None, help="another version's agent/kernels/counts.py (without it: the "
+                                                    "kernel as it is against its candidate settings only)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="folder for gpu_count_kernel_ab.json")
     args = parser.parse_args()

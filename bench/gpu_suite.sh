@@ -42,17 +42,19 @@ for what in "$@"; do
     counts)
       part counts_verify 240 python3 bench/gpu_counts.py verify --out "$OUT"
       part counts_verify_current 240 python3 bench/gpu_counts.py verify --recipe current --out "$OUT"
-      part counts_kernels 240 python3 bench/gpu_counts.py kernels --out "$OUT"
+      part counts_kernels 420 python3 bench/gpu_counts.py kernels --out "$OUT"
       part counts_time 300 python3 bench/gpu_counts.py time --out "$OUT" ;;
     counts-profile)
       part counts_profile 150 python3 bench/gpu_counts.py profile --out "$OUT"
       part counts_parts 130 python3 bench/gpu_counts.py parts --rounds 8 --block 4 --settle 1 --budget-s 80 --out "$OUT" ;;
     counts-kernels)
-      part counts_kernels 240 python3 bench/gpu_counts.py kernels --out "$OUT" ;;
+      # (six variants swept at twelve launch shapes since the twelfth session: about twice the
+      # eleventh session's 60-91 s)
+      part counts_kernels 420 python3 bench/gpu_counts.py kernels --out "$OUT" ;;
     kernel-ab)
-      # the kernel as it is against itself with its candidate settings (ROW_BY_ROW), rounds
-      # alternating; --old takes another version's counts.py for a change between versions
-      part kernel_ab 200 python3 bench/gpu_count_kernel_ab.py --old agent/kernels/counts.py --out "$OUT" ;;
+      # the kernel as it is against its candidate settings (bench/_count_probe.py's SETTINGS), rounds
+      # alternating; python3 bench/gpu_count_kernel_ab.py --old <counts.py> adds another version's
+      part kernel_ab 300 python3 bench/gpu_count_kernel_ab.py --out "$OUT" ;;
     overhead)
       part overhead 240 python3 bench/gpu_overhead.py --out "$OUT" ;;
     host-cost)

@@ -245,7 +245,7 @@ maximum reads only those rows again, one at a time (each row's high-precision va
 only where a byte asks), instead of the whole tile's bytes and every element's arithmetic; a
 tile with more takes the whole-tile path. 0: always the whole tile (the kernel measured so far).
 Why: on the H200 the flagged tiles (about 5 % of the 32-row tiles, one or two flagged rows each)
-cost 0.40-0.46 of 3.17 ms (docs/gpu.md), the whole tile's per-element work for a row or two.
+cost 0.40-0.43 of 3.17 ms (docs/gpu.md), the whole tile's per-element work for a row or two.
 Not yet timed on a GPU: ``bench/gpu_counts.py kernels`` sweeps it before the default moves."""
 
 TILES_AHEAD = 1

@@ -174,6 +174,9 @@ class InspectCounts:
             # (TE's, torch's, LayerNormMLP(checkpoint=True)), Linear's save_original_input cast
             # for wgrad, a weight re-quantized in backward. TE passes no marker (the same
             # iteration, the same arguments); the forward already counted these values.
+            if not self.repeats:
+                log.info("fp8guard: TE handed forward casts over again inside a backward (activation "
+                         "recompute, save_original_input): not counted twice")
             self.repeats += 1
             return
         scale_inv = getattr(quantized, "_scale_inv", None)

@@ -191,6 +191,16 @@ _ROW_BY_ROW = textwrap.dedent("""
                 q = quantize(x, scale[0], fmt)
                 assert q.view(torch.uint8).data_ptr() % 4 == 0  # the word test
                 out.append([[limit, ahead], counted(x, scale, fmt, q, "triton"), counted(x, scale, fmt, q, "torch")])
+    # 64-row tiles, flagged rows up to the last (bit 63 of the row bits): limit 64 reads them one by one
+    counts.COUNT_SHAPES["bytes"] = (64, 64, 32, 2)
+    counts.ROW_BY_ROW, counts.TILES_AHEAD = 64, 1
+    x = torch.full((3 * 4096 + 100,), 0.75)
+    scale = torch.tensor([Fp8Format.E4M3.fp8_max / 4.0])
+    for at in (63 * 64 + 5, 62 * 64, 4096 + 63 * 64 + 63, 2 * 4096 + 31 * 64):
+        x[at] = 100.0
+    x[4096 + 63 * 64] = 1e-6
+    q = quantize(x, scale[0], Fp8Format.E4M3)
+    out.append([[64, 1], counted(x, scale, Fp8Format.E4M3, q, "triton"), counted(x, scale, Fp8Format.E4M3, q, "torch")])
     print(json.dumps(out))
 """)
 
@@ -201,7 +211,7 @@ def test_word_test_candidates_count_what_the_torch_path_counts() -> None:
     more takes the whole-tile path. ``TILES_AHEAD`` 2: the tile after next loads too. Every
     setting counts what the torch path counts."""
     rows = run_interpreted(_ROW_BY_ROW, timeout=600)
-    assert len({tuple(r[0]) for r in rows}) == 5 and len(rows) == 5 * 2 * 5
+    assert len({tuple(r[0]) for r in rows}) == 6 and len(rows) == 5 * 2 * 5 + 1
     for setting, triton_counts, torch_counts in rows:
         assert triton_counts == torch_counts, (setting, triton_counts, torch_counts)
         assert triton_counts[0] > 0 and triton_counts[1] > 0
