@@ -1,8 +1,9 @@
 """Kernel launches through the compiled handle (``kernels._launch.CompiledLaunch``).
 
 On the CPU: what the handle is keyed on, and the fall-back to the JIT when a handle fails. On a
-CUDA GPU (skipped elsewhere): each fixed-argument kernel run through its cached handle gives the
-bits the JIT gives, also when a later call's tensors sit at an alignment the first call's did not.
+CUDA GPU (skipped elsewhere): each fixed-argument kernel run through its cached handle (Triton's C
+launcher called directly) gives the bits the JIT gives, also when a later call's tensors sit at an
+alignment the first call's did not.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def test_table_norm_through_the_handle_equals_the_jit() -> None:
         ref = sum(float(t.double().square().sum()) for t in grads)
         assert float(got) == pytest.approx(ref, rel=1e-5)
     assert cached._launch.fast and cached._launch.cached == 1
+    assert cached._launch.direct  # Triton's C launcher took the arguments (no fall-back to its runner)
 
 
 @gpu
@@ -189,6 +191,7 @@ def test_history_gather_through_the_handle_equals_the_jit() -> None:
         assert torch.equal(outs[0].nan_to_num(-1.0), outs[1].nan_to_num(-1.0)), step
         history.mul_(1.5)
     assert gathers[0]._launch.fast and gathers[0]._launch.cached == 2  # one handle per alignment
+    assert gathers[0]._launch.direct
 
 
 @gpu
@@ -221,4 +224,4 @@ def test_counts_through_the_plan_equal_the_jit_at_each_alignment() -> None:
         finally:
             counts._LAUNCH.fast = True
     assert results[True] == results[False]
-    assert counts._PLANS and counts._LAUNCH.cached >= 2
+    assert counts._PLANS and counts._LAUNCH.cached >= 2 and counts._LAUNCH.direct
