@@ -50,10 +50,9 @@ CACHE_KEYS = {
 }
 """TE 2.20.2's ``_cacheable_api_kwargs_map`` (api.py:410)."""
 
-QUANTIZERS = {"linear": (("activation", "fprop", "wgrad"), ("weight", "fprop", "dgrad"),
-                         ("gradient", "dgrad", "wgrad"), ("output", "fprop", None), ("dgrad", "dgrad", None),
-                         ("wgrad", "wgrad", None))}
-"""One GEMM's debug quantizers: (tensor, rowwise GEMM, columnwise GEMM)."""
+QUANTIZERS = (("activation", "fprop", "wgrad"), ("weight", "fprop", "dgrad"), ("gradient", "dgrad", "wgrad"),
+              ("output", "fprop", None), ("dgrad", "dgrad", None), ("wgrad", "wgrad", None))
+"""One GEMM's debug quantizers: (tensor, rowwise GEMM, columnwise GEMM; None for an output)."""
 
 
 def _defaults() -> Any:
@@ -194,7 +193,7 @@ def module_calls(layer_name: str, iteration: int) -> Iterator[tuple[str, dict[st
     """The calls (call site of :data:`SITES`, arguments) of one TE GEMM's debug quantizers on a
     debug iteration, in TE's order: per quantizer of the activation, weight and gradient 7 routed
     calls and 2 log messages, per output quantizer (output, dgrad, wgrad) 2 routed calls."""
-    for tensor, row_gemm, col_gemm in QUANTIZERS["linear"]:
+    for tensor, row_gemm, col_gemm in QUANTIZERS:
         asked = {"layer_name": layer_name, "tensor_name": tensor, "iteration": iteration}
         if col_gemm is None:  # an output: its plan (debug_quantization.py:110-134)
             yield "output_inspect", asked
