@@ -152,6 +152,8 @@ def _kernel() -> Any:
                                 rtop = rmag >= MAX_CODE
                                 rneed = rin & (rzero | rtop)
                                 rbits = tl.load(x_ptr + roffs, mask=rneed, other=0)
+                                # (the tile path's decode below, written again: Triton's interpreter
+                                # cannot call a helper defined beside a kernel built in _kernel())
                                 if HP_KIND == 0:
                                     rx = (rbits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
                                 elif HP_KIND == 1:
