@@ -247,12 +247,12 @@ maximum reads only those rows again, one at a time (each row's high-precision va
 only where a byte asks), instead of the whole tile's bytes and every element's arithmetic; a
 tile with more takes the whole-tile path. 0: always the whole tile (the kernel measured so far).
 Why: on the H200 the flagged tiles (about 5 % of the 32-row tiles, one or two flagged rows each)
-cost 0.40-0.43 of 3.17 ms (docs/gpu.md), the whole tile's per-element work for a row or two.
+cost 0.40-0.43 of 3.12-3.13 ms (docs/gpu.md), the whole tile's per-element work for a row or two.
 Not yet timed on a GPU: ``bench/gpu_counts.py kernels`` sweeps it before the default moves."""
 
 TILES_AHEAD = 1
 """In the word test, how many tiles' words a program has loading while it tests one: 1 (the
-kernel measured so far) or 2. Why 2 might pay: resident by registers, a multiprocessor keeps about
+kernel measured so far) or 2 (larger values act as 2). Why 2 might pay: resident by registers, a multiprocessor keeps about
 32 KB of the count kernel's loads in flight against 256 KB for a plain read of the same bytes, which
 reaches 3.6 TB/s where the count kernel's clean tiles reach 2.6 (docs/gpu.md, twelfth session).
 Not yet timed on a GPU: ``bench/gpu_counts.py kernels`` and ``bench/gpu_count_kernel_ab.py`` time it."""
