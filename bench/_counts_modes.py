@@ -14,8 +14,9 @@ class _Modes:
     """The TE model with fp8guard attached, and the switch between the modes ``time`` and
     ``profile`` compare: plain FP8 (TE's debug mode off), the Monitor with counting off, counting
     every 10th step (all modules at once, or staggered: ``MonitorConfig.count_stagger``), counting
-    every step (with fp8guard's routing keys for nvdlfw-inspect, or TE's own), and TE's debug path
-    alone (counting armed, fp8guard's kernel skipped)."""
+    every step (with fp8guard's routing keys for nvdlfw-inspect, or TE's own; one count launch per
+    operand, or eight operands a launch), and TE's debug path alone (counting armed, fp8guard's
+    kernel skipped)."""
 
     def __init__(self, args: argparse.Namespace, bench: str) -> None:
         torch, _ = require_te(bench)
@@ -37,6 +38,9 @@ class _Modes:
         self.src = self.monitor.sources[0]
         self.monitor.set_count_interval(1)  # opens TE's debug session (fp8guard owns it)
         self.real = te_inspect.count_cast_into
+        from fp8guard.agent.kernels.count_batch import BATCH_SLOTS, CountBatch
+
+        self.batch = CountBatch(BATCH_SLOTS)
         self.mode = "plain"
 
     @staticmethod
@@ -46,30 +50,41 @@ class _Modes:
     def use(self, mode: str) -> None:
         self.mode = mode
         self.te_inspect.count_cast_into = self._skip_kernel if mode == "debug_path_only" else self.real
+        counter = getattr(self.src, "_inspect", None)
+        if counter is not None:  # eight operands a launch (count_batch.CountBatch) in the _batched modes
+            counter.flush()
+            counter.batch = self.batch if mode.endswith("_batched") else None
         if mode == "plain":
             self.state.debug_enabled = False
             return
         self.state.debug_enabled = True
         # TE's own routing keys for nvdlfw-inspect in one mode, fp8guard's in the others
         self.te_inspect.cache_routes_across_iterations(mode != "counts_every_step_te_routes")
-        self.monitor.config.count_stagger = mode == "counts_every_10_staggered"
+        self.monitor.config.count_stagger = mode.startswith("counts_every_10_staggered")
         self.monitor.set_count_interval({"agent_no_counts": 0, "counts_every_10": 10, "counts_every_10_staggered": 10,
                                          "counts_every_step": 1, "counts_every_step_te_routes": 1,
-                                         "debug_path_only": 1}[mode])
+                                         "debug_path_only": 1, "counts_every_step_batched": 1,
+                                         "counts_every_10_staggered_batched": 10}[mode])
 
     def step(self) -> None:
         self.m.step(None if self.mode == "plain" else self.monitor)
 
     def restore(self) -> None:
         self.te_inspect.count_cast_into = self.real
+        counter = getattr(self.src, "_inspect", None)
+        if counter is not None:
+            counter.flush()
+            counter.batch = None
         self.te_inspect.cache_routes_across_iterations(True)
 
 
 _TIME_MODES = ("plain", "agent_no_counts", "counts_every_10", "counts_every_10_staggered", "counts_every_step",
-               "debug_path_only", "counts_every_step_te_routes")
-"""Every mode ``time`` knows; ``counts_every_step_te_routes`` (counting every step with TE's own
-routing keys for nvdlfw-inspect, twelfth session) runs only when ``--modes`` names it."""
-DEFAULT_TIME_MODES = _TIME_MODES[:-1]
+               "debug_path_only", "counts_every_step_te_routes", "counts_every_step_batched",
+               "counts_every_10_staggered_batched")
+"""Every mode ``time`` knows. These run only when ``--modes`` names them: ``counts_every_step_te_routes``
+(counting every step with TE's own routing keys for nvdlfw-inspect, twelfth session) and the
+``_batched`` modes (eight operands a count launch, ``count_batch.CountBatch``, thirteenth session)."""
+DEFAULT_TIME_MODES = _TIME_MODES[:6]
 """The modes ``time`` compares by default."""
 
 

@@ -161,6 +161,10 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     m.recipe = _recipe(args.recipe)
     m.step()  # warm-up: TE creates its FP8 state (all features see iteration 0)
     debug_api.step()
+    if getattr(args, "batched", False):  # fp8guard's feature counts eight operands a launch
+        from fp8guard.agent.kernels import count_batch
+
+        count_batch.OPERANDS_PER_LAUNCH = count_batch.BATCH_SLOTS
     src = te_source.discover(m.model, required=True)
     assert isinstance(src, te_source.TESource)
     src.prepare_step(1, 1)
@@ -248,7 +252,8 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
                  == len(names) for s in steps) and edges["agree"]
     return {"bench": "gpu_counts_verify", "ok": all_ok, "recipe": args.recipe, "device": torch.cuda.get_device_name(),
             "params_M": m.params_m, "columns": n, "counted_columns": counted, "targets": len(names),
-            "compared_per_operand": variants_seen, "default_variant": src._inspect.variant, "steps": steps,
+            "compared_per_operand": variants_seen, "default_variant": src._inspect.variant,
+            "batched": src._inspect.batch is not None, "steps": steps,
             "mismatches": mismatches[:60], "mismatch_count": len(mismatches), "te_cast_edge_cases": edges,
             "te_logfp8tensorstats_step_ms": [round(v, 1) for v in te_only_ms],
             "injections": {"step 2": "layer5.self_attention.proj.weight *= 64", "step 3": "loss * 4096"}}

@@ -1,5 +1,5 @@
-"""Where the host time of one count launch goes: the same 144 launches enqueued five ways, passes
-alternating in one process, host microseconds per launch.
+"""Where the host time of one count launch goes: the same 144 operands enqueued six ways, passes
+alternating in one process, host microseconds per launch (per operand where one launch counts several).
 
 * ``count_cast_into``: fp8guard's whole path (the plan, the handle's key, the cached handle; since
   the twelfth session its C launcher called directly while no launch hook is set);
@@ -9,6 +9,8 @@ alternating in one process, host microseconds per launch.
   the device and stream, builds the launch metadata, calls its C launcher), arguments ready;
 * ``c_launcher``: Triton's C launcher called directly (``handle.run``) with the stream looked up
   once, no hooks: what is left once no Python runs per launch but the call itself;
+* ``count_batch``: the operands counted eight to a launch (``count_batch.CountBatch``): its host
+  time per operand (18 launches for 144), against ``count_cast_into``'s one launch each;
 * ``torch_zero``: one small torch kernel (``zero_`` on a two-element slice), for scale.
 
 The differences name each layer's share: fp8guard's Python, Triton's runner, the launch itself.
@@ -27,6 +29,7 @@ import torch
 
 from bench._count_probe import host_us_per_launch
 from fp8guard.agent.kernels import counts as kernels
+from fp8guard.agent.kernels.count_batch import BATCH_SLOTS, CountBatch
 
 
 def _prepared(ops: list[Any], dst: torch.Tensor) -> list[tuple[Any, ...]]:
@@ -74,17 +77,23 @@ def measure(ops: list[Any], passes: int = 9) -> dict[str, Any]:
             handle.run(grid, 1, 1, stream, handle.function, handle.packed_metadata, None, None, None, *args,
                        *consts)
 
+    def batched() -> None:  # eight operands a launch; per operand, as the others per launch
+        batch = CountBatch(BATCH_SLOTS)
+        for i, op in with_bytes:
+            batch.add(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+        batch.flush()
+
     def torch_zero() -> None:
         for i, _ in with_bytes:
             dst[i].zero_()
 
     ways: dict[str, Callable[[], None]] = {"count_cast_into": whole, "count_cast_into_via_runner": whole_via_runner,
                                            "triton_runner": runner, "c_launcher": c_launcher,
-                                           "torch_zero": torch_zero}
+                                           "count_batch": batched, "torch_zero": torch_zero}
     result: dict[str, Any] = {"launches": len(with_bytes), "passes": passes}
     # the same counts through the C launcher and the runner as through fp8guard's path
     counts: dict[str, torch.Tensor] = {}
-    for name in ("count_cast_into", "count_cast_into_via_runner", "c_launcher"):
+    for name in ("count_cast_into", "count_cast_into_via_runner", "c_launcher", "count_batch"):
         dst.zero_()
         try:
             ways[name]()
@@ -97,7 +106,8 @@ def measure(ops: list[Any], passes: int = 9) -> dict[str, Any]:
         if name == "count_cast_into":  # (False: the C launcher refused its arguments, the runner ran)
             result["direct_c_launcher_in_use"] = kernels._LAUNCH.direct
     for name, label in (("c_launcher", "c_launcher_same_counts"), ("count_cast_into_via_runner",
-                                                                  "via_runner_same_counts")):
+                                                                  "via_runner_same_counts"),
+                        ("count_batch", "count_batch_same_counts")):
         if name in counts and "count_cast_into" in counts:
             result[label] = bool(torch.equal(counts[name], counts["count_cast_into"]))
     for name, us in host_us_per_launch(ways, len(with_bytes), passes).items():

@@ -138,6 +138,32 @@ def measure(arch: int = 90, iters_list: tuple[int, ...] = (1, 4, 16), sass_dir: 
                                  **_resources(compiled.asm["cubin"], cuobjdump, Path(tmp), f"{variant}_{iters}", warps,
                                               iters, sass_dir),
                                  "programs_per_sm_launched": per_sm})
+        # the default setting's batched launch (count_batch.CountBatch: up to eight operands, their
+        # addresses and counts as arguments; the addresses 16-byte aligned, the counts divisible by
+        # 16, as the JIT specialises them; scale_inv's, count rows' and first programs unspecialised)
+        from fp8guard.agent.kernels.count_batch import BATCH_SLOTS
+
+        rows, cols, per_sm, warps = counts.COUNT_SHAPES["bytes"]
+        batch_sig: dict[str, str] = {}
+        batch_attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+        for j in range(BATCH_SLOTS):
+            for name, kind in ((f"x{j}", "i64"), (f"q{j}", "i64"), (f"i{j}", "i64"), (f"o{j}", "i64"), (f"n{j}", "i32")):
+                if name[0] in "xqn":
+                    batch_attrs[(len(batch_sig),)] = [["tt.divisibility", 16]]
+                batch_sig[name] = kind
+        batch_sig.update({f"f{j}": "i32" for j in range(1, BATCH_SLOTS)})
+        batch_sig.update({name: "constexpr" for name in NAMES})
+        for iters in iters_list:
+            consts = dict(zip(NAMES, (fmt.fp8_max, fmt.smallest_subnormal / 2, counts._MAX_CODE[fmt],
+                                      counts._NONZERO_MASK[dtype], counts._HP_KIND[dtype], True, rows, cols, iters,
+                                      True, counts.ROW_BY_ROW, counts.TILES_AHEAD), strict=True))
+            compiled = triton.compile(ASTSource(fn=counts._batch_kernel(), signature=batch_sig, constexprs=consts,
+                                                attrs=batch_attrs),
+                                      target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+            rows_out.append({"variant": "bytes_batched", "shape": [rows, cols, per_sm, warps], "iters": iters,
+                             **_resources(compiled.asm["cubin"], cuobjdump, Path(tmp), f"bytes_batched_{iters}", warps,
+                                          iters, sass_dir),
+                             "programs_per_sm_launched": per_sm})
         # the plain streaming read (bench/_stream_read.py) at its fastest shape (1,024 words a
         # block, 16 programs per SM, 4 warps; its loop over ITERS blocks unrolled by the compiler)
         from bench import _stream_read

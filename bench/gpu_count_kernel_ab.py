@@ -10,8 +10,9 @@ or, without ``--old``, the kernel as it is against its candidate settings alone.
 Three ways each: the real bytes (words), the bytes with no tile flagged (every byte mid-range:
 the word test alone, which must count nothing), the bytes tested one by one (``BYTES_IN_WORDS``
 off); and the new module's candidate settings (``bench/_count_probe.py``'s ``SETTINGS``: a flagged
-tile's flagged rows read one by one, two tiles' words loading while one is tested), on the real
-bytes and on the clean ones. Every way's counts are checked (``same_counts``, ``wrong_counts``)
+tile's flagged rows read one by one, two tiles' words loading while one is tested) and the
+operands counted eight to a launch (``count_batch.CountBatch``, ``new_batched``), on the real bytes
+and on the clean ones. Every way's counts are checked (``same_counts``, ``wrong_counts``)
 before it is timed. Needs CUDA and Triton, no Transformer Engine. Prints one JSON line and writes
 ``gpu_count_kernel_ab.json``.
 """
@@ -46,6 +47,7 @@ def measure(old_path: str | None, rounds: int = 5, repeats: int = 5) -> dict[str
     from bench._te_model import skip
     from fp8guard.agent.kernels import counts as new
     from fp8guard.agent.kernels import triton_available
+    from fp8guard.agent.kernels.count_batch import BATCH_SLOTS, CountBatch
 
     if not torch.cuda.is_available() or not triton_available(torch.device("cuda")):
         skip("gpu_count_kernel_ab", "needs a CUDA GPU and Triton")
@@ -71,6 +73,15 @@ def measure(old_path: str | None, rounds: int = 5, repeats: int = 5) -> dict[str
                     setattr(module, name, value)
         return run
 
+    def batched(which: list[Any]) -> Callable[[], None]:
+        """Count ``which`` eight to a launch (``count_batch.CountBatch``), the default settings."""
+        def run() -> None:
+            batch = CountBatch(BATCH_SLOTS)
+            for i, op in enumerate(which):
+                batch.add(dst[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+            batch.flush()
+        return run
+
     got = {}
     for name, module in (("old", old), ("new", new)):
         if module is not None:
@@ -86,11 +97,18 @@ def measure(old_path: str | None, rounds: int = 5, repeats: int = 5) -> dict[str
         if name != "bytes_bytewise":
             ways[f"new_{name.removeprefix('bytes_')}"] = body(new, ops, **settings)
             ways[f"new_{name.removeprefix('bytes_')}_clean"] = body(new, clean, **settings)
+    ways.update({"new_batched": batched(ops), "new_batched_clean": batched(clean)})
     wrong = []
-    for name, run in ways.items():  # compile outside the graphs; every way counts what it must
+    errors: dict[str, str] = {}
+    for name, run in list(ways.items()):  # compile outside the graphs; every way counts what it must
         dst.zero_()
-        run()
-        torch.cuda.synchronize()
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a way that cannot run is reported, the others timed
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            del ways[name]
+            continue
         want = torch.zeros_like(dst) if name.endswith("_clean") else got["new"]
         if not torch.equal(dst, want):
             wrong.append(name)
@@ -102,7 +120,7 @@ def measure(old_path: str | None, rounds: int = 5, repeats: int = 5) -> dict[str
     nbytes = sum(op.q.numel() for op in ops)
     return {"bench": "gpu_count_kernel_ab", "device": torch.cuda.get_device_name(), "old": old_path,
             "same_counts": ("old" not in got or bool(torch.equal(got["old"], got["new"]))) and not wrong,
-            "wrong_counts": wrong,
+            "wrong_counts": wrong, "errors": errors,
             "rounds": rows, "median_ms": median,
             "GBps": {name: round(nbytes / 1e6 / ms) for name, ms in median.items()}}
 

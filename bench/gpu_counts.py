@@ -1,7 +1,7 @@
 """Exact overflow/underflow counts of every FP8 GEMM operand on a real Transformer Engine model:
 both kernel variants checked against TE's own statistics, operand by operand, then timed.
 
-    python bench/gpu_counts.py verify --out DIR [--recipe current]   # exits 1 on any disagreement
+    python bench/gpu_counts.py verify --out DIR [--recipe current] [--batched]  # exits 1 on any disagreement
     python bench/gpu_counts.py time --out DIR       # overhead every step / every 10th step
     python bench/gpu_counts.py kernels --out DIR    # the kernels alone on the model's 144 shapes (no TE)
     python bench/gpu_counts.py profile --out DIR    # a counted step under torch.profiler and cProfile
@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("what", choices=["verify", "time", "kernels", "profile", "parts"])
     parser.add_argument("--recipe", choices=["delayed", "current"], default="delayed",
                         help="verify: DelayedScaling or Float8CurrentScaling (HYBRID)")
+    parser.add_argument("--batched", action="store_true",
+                        help="verify: fp8guard's feature counts eight operands a launch (count_batch.CountBatch)")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--steps", type=int, default=4, help="verify: counted steps compared")
     parser.add_argument("--rounds", type=int, default=10)
@@ -61,7 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "verify":
         result = verify(args)
-        write_result(result, args.out, f"gpu_counts_verify{'' if args.recipe == 'delayed' else '_' + args.recipe}.json")
+        name = f"gpu_counts_verify{'' if args.recipe == 'delayed' else '_' + args.recipe}{'_batched' if args.batched else ''}"
+        write_result(result, args.out, f"{name}.json")
     elif args.what == "kernels":
         result = kernel_sweep(args)
         write_result(result, args.out, "gpu_counts_kernels.json")

@@ -206,6 +206,7 @@ class TESource:
         counter = self._inspect
         if counter is None:
             return
+        counter.flush()  # before TE rewrites a weight's cached FP8 copy at the next first micro-batch
         if count_every > 0 and not self._inspect_open:
             from fp8guard.agent.sources import te_inspect
 
@@ -213,6 +214,7 @@ class TESource:
             self._inspect_open = True
         changed = count_every != counter.every or stagger_from != counter.stagger_from
         if stagger_from != counter.stagger_from and counter.stagger_from is not None:
+            counter.drop()
             self._counts.zero_()  # a window the restart abandoned
         counter.every = count_every
         counter.stagger_from = stagger_from
@@ -260,6 +262,8 @@ class TESource:
             self._hooks.sync()
 
     def read_counts(self, out: torch.Tensor) -> None:
+        if self._inspect is not None:
+            self._inspect.flush()  # operands held for a batched launch
         out.copy_(self._counts.t())
         self._counts.zero_()
 
@@ -323,6 +327,7 @@ class TESource:
         mask, armed = self._fp8_mask, (self._inspect.armed if self._inspect is not None else None)
         before = self.precision()
         if self._inspect is not None:
+            self._inspect.flush()
             self._inspect.armed, self._inspect.held = False, True
         try:
             for name, module in self._switchable:

@@ -57,7 +57,7 @@ import torch
 
 from fp8guard.agent.errors import ConfigError
 from fp8guard.agent.fp8 import Fp8Format
-from fp8guard.agent.kernels import count_cast_into
+from fp8guard.agent.kernels import count_batch, count_cast_into
 from fp8guard.agent.source_steps import first_whole_window_end
 
 __all__ = ["FEATURE_NAME", "TENSOR_NAMES", "InspectCounts", "register_feature"]
@@ -126,6 +126,15 @@ class InspectCounts:
         self.module_of: dict[str, int] = {}
         """TE layer name -> the index of the TE module it belongs to (a LayerNormMLP's two GEMMs
         share one: TE takes its debug path per module)."""
+        per_launch = count_batch.OPERANDS_PER_LAUNCH
+        self.batch = count_batch.CountBatch(min(per_launch, count_batch.BATCH_SLOTS)) if per_launch > 1 else None
+        """Operands counted several to a launch (``count_batch.OPERANDS_PER_LAUNCH``), or None:
+        one launch each. Held operands are counted by :meth:`flush`, which runs at the first
+        gradient of each backward (a weight's values may change in place only after it: an
+        optimizer step) and at its end, and which the source calls before it reads the counts and
+        at each step's start."""
+        self._flushes_at: int | None = None
+        """The autograd graph task whose end flushes the batch (one callback per backward)."""
 
     def enabled(self, iteration: int, layer_name: str, tensor_name: str) -> tuple[bool, int | None]:
         """(count on this iteration, next iteration TE must ask again; None: never)."""
@@ -169,7 +178,8 @@ class InspectCounts:
         target = self.targets.get((layer_name, tensor_name))
         if target is None:
             return
-        if tensor_name in _FORWARD_TENSORS and torch._C._current_graph_task_id() != -1:
+        task = torch._C._current_graph_task_id()
+        if tensor_name in _FORWARD_TENSORS and task != -1:
             # A forward cast inside the autograd engine: activation checkpointing's recompute
             # (TE's, torch's, LayerNormMLP(checkpoint=True)), Linear's save_original_input cast
             # for wgrad, a weight re-quantized in backward. TE passes no marker (the same
@@ -193,10 +203,47 @@ class InspectCounts:
             # rounding each way), so a count from it would not be exact. Not counted.
             return
         use_bytes = data is not None and (scale is None or self.variant != "hp")
-        count_cast_into(self._row(target.index), tensor.detach(),
-                        scale=scale if scale is not None else scale_inv, scale_inv=scale_inv,
-                        fmt=_format_of(quantized, target.fmt, quantizer), fp8_bytes=data if use_bytes else None)
+        fmt = _format_of(quantized, target.fmt, quantizer)
+        if self.batch is not None and use_bytes and data is not None:
+            if task != -1 and task != self._flushes_at:
+                self._flush_in_backward(task)
+            self.batch.add(self._row(target.index), tensor.detach(), scale=scale if scale is not None else scale_inv,
+                           scale_inv=scale_inv, fmt=fmt, fp8_bytes=data)
+        else:
+            count_cast_into(self._row(target.index), tensor.detach(),
+                            scale=scale if scale is not None else scale_inv, scale_inv=scale_inv,
+                            fmt=fmt, fp8_bytes=data if use_bytes else None)
         self.calls += 1
+
+    def flush(self) -> None:
+        """Enqueue the counting of every operand the batch holds (nothing without a batch)."""
+        if self.batch is None or not len(self.batch):
+            return
+        try:
+            self.batch.flush()
+        except Exception:  # monitoring never takes training down
+            self.active = False
+            self.batch.drop()
+            log.exception("fp8guard: exact counting failed and is now off; training continues")
+
+    def drop(self) -> None:
+        """Forget the operands the batch holds, uncounted (their window was abandoned)."""
+        if self.batch is not None:
+            self.batch.drop()
+
+    def _flush_in_backward(self, task: int) -> None:
+        """The first gradient of a backward: count the forward's held operands now, before an
+        optimizer can change a weight in place, and flush again when this backward ends."""
+        self.flush()
+        self._flushes_at = task
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        except RuntimeError:  # not inside the engine after all: the next flush point counts them
+            self._flushes_at = None
+
+    def _backward_done(self) -> None:
+        self._flushes_at = None
+        self.flush()
 
     def _row(self, index: int) -> torch.Tensor:
         """``counts[index]``: the views are made once per count buffer (a step indexes the buffer
@@ -390,6 +437,7 @@ def cache_routes_across_iterations(on: bool = True) -> bool:
 
 
 def detach(counter: InspectCounts) -> None:
+    counter.flush()
     counter.active = False
     counter.armed = False
     if _Slot.counter is counter:

@@ -1,0 +1,169 @@
+"""``CountBatch``: several FP8 casts counted in one launch of the count kernel.
+
+:func:`~.counts.count_cast_into` costs one launch per operand: 144 for a counted step of the 604M
+model, whose enqueue alone takes 1.0-1.6 ms on the H200's hosts whatever the Python (7-11 us per
+call of Triton's C launcher; docs/gpu.md, eleventh session). A batch holds the operands handed to it
+and counts up to :attr:`CountBatch.slots` (at most :data:`BATCH_SLOTS`) of them in one launch: the
+batched kernel takes each operand's addresses and element count as arguments, and each of its
+programs runs as a program of that operand's own launch would, so the integers are the same. Only the
+FP8-bytes variant tested in words is batched, for operands whose addresses are 16-byte aligned and
+whose element count is a multiple of 16 (what the JIT's specialisation would tell the compiler for a
+launch of one; every operand of a transformer's GEMMs here); any other operand is counted at once,
+by its own launch.
+
+Holding an operand until its launch keeps its tensors alive that long: up to ``slots`` operands'
+high-precision tensors and FP8 bytes per group (one group per FP8 format, dtype, device and
+stream). The caller flushes before anything could change them: :class:`~fp8guard.agent.sources.
+te_inspect.InspectCounts` flushes at the first gradient of each backward (before an optimizer can
+update a weight in place), at the backward's end, before the counts are read and at every step's
+start (before TE rewrites a weight's cached FP8 copy at the next first micro-batch).
+
+Not yet timed on a GPU: :data:`OPERANDS_PER_LAUNCH` stays 0 (one launch per operand, the measured
+path) until ``bench/gpu_counts.py`` shows it pays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from fp8guard.agent.fp8 import Fp8Format
+from fp8guard.agent.kernels import counts
+from fp8guard.agent.kernels._launch import (
+    CompiledLaunch,
+    _stream_lookup,
+    launch_shape,
+    triton_available,
+)
+
+__all__ = ["BATCH_SLOTS", "OPERANDS_PER_LAUNCH", "CountBatch"]
+
+BATCH_SLOTS = 8
+"""Operands one launch of the batched count kernel takes at most (its signature has eight slots:
+``_count_kernels.count_batch_kernel``)."""
+
+OPERANDS_PER_LAUNCH = 0
+"""Operands counted per launch under TE's inspection API (2 to :data:`BATCH_SLOTS`; 0 or 1: one
+launch per operand, the path measured so far). Why more: under 0.5 ms of enqueue per counted step
+needs at most 40-70 launches where the 604M model has 144 operands (docs/gpu.md); eight a launch
+makes about 20. Not yet timed on a GPU."""
+
+_UNUSED_FIRST = 2**31 - 1
+"""An unused slot's first program: past every program, so none selects it."""
+
+
+class _Held(NamedTuple):
+    out: torch.Tensor
+    x: torch.Tensor
+    q: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+class CountBatch:
+    """Holds casts to count and counts up to ``slots`` of them per launch (see the module docs).
+
+    :meth:`add` takes what :func:`~.counts.count_cast_into` takes (with the FP8 bytes); the counts
+    land in each operand's ``out`` row by the time :meth:`flush` returns (enqueued, as always).
+    """
+
+    def __init__(self, slots: int = BATCH_SLOTS) -> None:
+        if not 2 <= slots <= BATCH_SLOTS:
+            raise ValueError(f"CountBatch: slots must be 2 to {BATCH_SLOTS}, got {slots}")
+        self.slots = slots
+        self._pending: dict[tuple[Any, ...], list[_Held]] = {}
+        self._launch = CompiledLaunch()
+        self.launches = 0
+        """Batched launches made (a host-side tally, for tests and benches)."""
+        self.alone = 0
+        """Operands counted by a launch of their own (not batchable, or no staging buffer free)."""
+
+    def __len__(self) -> int:
+        """Operands held now."""
+        return sum(len(held) for held in self._pending.values())
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor,
+            fmt: Fp8Format, fp8_bytes: torch.Tensor) -> None:
+        """Count the cast ``x -> fp8_bytes`` into ``out`` at the group's next launch (at once when
+        the operand cannot be batched)."""
+        if not self._batchable(x, fp8_bytes, scale, scale_inv, out):
+            self.alone += 1
+            counts.count_cast_into(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
+            return
+        key = (fmt, x.dtype, x.device, _stream_of(x.device))
+        held = self._pending.setdefault(key, [])
+        held.append(_Held(out, x, fp8_bytes, scale, scale_inv))
+        if len(held) == self.slots:
+            self._flush_group(key, held)
+
+    def flush(self) -> None:
+        """Enqueue the counting of every operand held."""
+        for key, held in self._pending.items():
+            if held:
+                self._flush_group(key, held)
+
+    def drop(self) -> None:
+        """Forget the operands held, uncounted (their window was abandoned)."""
+        for held in self._pending.values():
+            held.clear()
+
+    @staticmethod
+    def _batchable(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
+                   out: torch.Tensor) -> bool:
+        n = x.numel()
+        return (counts.BYTES_IN_WORDS and 0 < n <= counts.MAX_KERNEL_ELEMENTS and n % 16 == 0
+                and x.dtype in counts._HP_KIND and q.numel() == n and q.element_size() == 1
+                and x.is_contiguous() and q.is_contiguous() and x.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
+                and scale.device == x.device and scale_inv.device == x.device and out.device == x.device
+                and (x.is_cuda or triton_available(x.device)) and counts._kernel() is not None)
+
+    def _flush_group(self, key: tuple[Any, ...], held: list[_Held]) -> None:
+        fmt, dtype, device, stream = key
+        ops = list(held)
+        held.clear()
+        rows, cols, per_sm, warps = counts.COUNT_SHAPES["bytes"]
+        tile = rows * cols
+        # one loop length for every slot: as a launch of all their elements would have it
+        _, iters = launch_shape(sum(op.x.numel() for op in ops), device, tile, per_sm=per_sm)
+        slot_args: list[int] = []
+        firsts: list[int] = []
+        grid = 0
+        for op in ops:
+            n = op.x.numel()
+            slot_args += (op.x.data_ptr(), op.q.data_ptr(), op.scale_inv.data_ptr(), op.out.data_ptr(), n)
+            firsts.append(grid)
+            grid += -(-n // (tile * iters))
+        # unused slots repeat slot 0 and start past the grid: no program selects them
+        slot_args += slot_args[:5] * (BATCH_SLOTS - len(ops))
+        firsts += [_UNUSED_FIRST] * (BATCH_SLOTS - len(ops))
+        args = (*slot_args, *firsts[1:])
+        consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, counts._MAX_CODE[fmt], counts._NONZERO_MASK[dtype],
+                  counts._HP_KIND[dtype], True, rows, cols, iters, True, counts.ROW_BY_ROW, counts.TILES_AHEAD)
+        kernel = counts._batch_kernel()
+
+        def jit() -> Any:
+            names = ("FP8_MAX", "HALF_SUB", "MAX_CODE", "NZ_MASK", "HP_KIND", "FROM_BYTES", "ROWS", "COLS", "ITERS",
+                     "WORDS", "ROW_BY_ROW", "AHEAD")
+            return kernel[(grid,)](*args, **dict(zip(names, consts, strict=True)), num_warps=warps)
+
+        # What the JIT specialises on is the same for every batch of these constants: the
+        # operands' addresses are 16-byte aligned and their counts multiples of 16 (the batch
+        # takes no other), the other arguments are not specialised (``do_not_specialize``).
+        _on_stream(stream, lambda: self._launch(grid, args, consts, jit, key=(*consts, warps, device)))
+        self.launches += 1
+
+
+def _stream_of(device: torch.device) -> int:
+    """The current stream's raw handle on ``device`` (0 off CUDA): operands of one launch come
+    from one stream, and the launch goes on it."""
+    return _stream_lookup()() if device.type == "cuda" else 0
+
+
+def _on_stream(stream: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``stream`` current (a raw CUDA handle; 0 or the current one: as it is)."""
+    if stream == 0 or stream == _stream_lookup()():
+        return fn()
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        return fn()

@@ -1,0 +1,157 @@
+"""Several casts counted in one launch (``count_batch.CountBatch``, the batched count kernel) against
+one launch each and the torch path, under Triton's CPU interpreter (each check in a fresh
+interpreter: see tests/agent/interpreted.py); and where TE's inspection path flushes what it holds."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.agent.interpreted import run_interpreted
+
+_BATCHED = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from fp8guard.agent.kernels import counts
+    from fp8guard.agent.kernels.count_batch import CountBatch
+    from tests.agent.test_kernels import _tensor, counted
+
+    def aligned(t, shift=0):
+        # a copy at a 64-byte boundary (plus shift bytes)
+        size = t.numel() * t.element_size()
+        buf = torch.empty(size + 128, dtype=torch.uint8)
+        at = (-buf.data_ptr()) % 64 + shift
+        v = buf[at:at + size].view(t.dtype)
+        v.copy_(t.reshape(-1))
+        return v
+
+    # Operands of different lengths (one tile, many, a program's share and more), each with its own
+    # counts, so that a program counting into another slot's row or reading another slot's bytes
+    # changes some row; two that cannot be batched (a length not a multiple of 16, bytes off a
+    # 16-byte boundary) are counted alone.
+    lengths = [4096 * 3, 160, 4096 * 5 + 32, 2048, 4096 * 2 + 16 * 7, 64 * 1000, 48, 4096 * 9, 4096 + 16]
+    out = []
+    for limit, ahead, slots in ((0, 1, 8), (0, 1, 2), (8, 2, 4), (8, 1, 8)):
+        counts.ROW_BY_ROW, counts.TILES_AHEAD = limit, ahead
+        for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                ops = []
+                for i, n in enumerate(lengths):
+                    x, scale = _tensor(dtype, fmt, n=n, seed=i)
+                    x = aligned(x[:n])
+                    q = aligned(quantize(x, scale[0], fmt).view(torch.uint8))
+                    ops.append((x, scale, q))
+                x, scale = _tensor(dtype, fmt, n=1000, seed=99)
+                x = aligned(x[:1000 - 3])  # 997 elements
+                ops.append((x, scale, aligned(quantize(x, scale[0], fmt).view(torch.uint8))))
+                x, scale = _tensor(dtype, fmt, n=4096, seed=98)
+                x = aligned(x[:4096])
+                ops.append((x, scale, aligned(quantize(x, scale[0], fmt).view(torch.uint8), shift=4)))
+                batch = CountBatch(slots)
+                rows = torch.zeros(len(ops), 2, dtype=torch.int64)
+                for j, (x, scale, q) in enumerate(ops):
+                    batch.add(rows[j], x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt, fp8_bytes=q)
+                held = len(batch)
+                batch.flush()
+                want = [counted(x, s, fmt, q, "torch") for x, s, q in ops]
+                alone = [counted(x, s, fmt, q, "triton") for x, s, q in ops]
+                out.append({"setting": [limit, ahead, slots, str(fmt), str(dtype)], "batched": rows.tolist(),
+                            "torch": want, "alone": alone, "launches": batch.launches, "alone_count": batch.alone,
+                            "held_before_flush": held, "held_after": len(batch)})
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_a_batched_launch_counts_what_one_launch_per_operand_counts() -> None:
+    """Every slot's counts equal its own launch's and the torch path's, at two to eight operands
+    a launch, with the word test's candidate settings; operands the batch cannot take are counted
+    alone; a flush leaves nothing held."""
+    results = run_interpreted(_BATCHED, timeout=600)
+    assert len(results) == 4 * 2 * 3
+    for r in results:
+        assert r["batched"] == r["torch"] == r["alone"], r["setting"]
+        assert all(over + under > 0 for over, under in r["torch"]), r["setting"]
+        assert len({tuple(c) for c in r["torch"]}) == len(r["torch"])  # every row its own counts
+        slots = r["setting"][2]
+        assert r["alone_count"] == 2 and r["launches"] == -(-9 // slots), r["setting"]
+        assert r["held_before_flush"] == 9 % slots and r["held_after"] == 0
+
+
+_FLUSH_POINTS = textwrap.dedent("""
+    import json, torch
+    from types import SimpleNamespace
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from fp8guard.agent.kernels import count_batch
+    from fp8guard.agent.sources import te_inspect
+
+    count_batch.OPERANDS_PER_LAUNCH = 8
+    scale = torch.tensor([Fp8Format.E4M3.fp8_max / 4.0])
+
+    def cast(x):
+        return SimpleNamespace(_data=quantize(x.detach(), scale[0], Fp8Format.E4M3).view(torch.uint8),
+                               _scale_inv=torch.reciprocal(scale), _fp8_dtype="E4M3")
+
+    targets = {("l0", "activation"): (0, Fp8Format.E4M3), ("l0", "weight"): (1, Fp8Format.E4M3),
+               ("l0", "gradient"): (2, Fp8Format.E4M3)}
+    counter = te_inspect.InspectCounts(targets, torch.zeros(3, 2, dtype=torch.int64))
+    counter.armed = True
+    seen = {}
+
+    class Gemm(torch.autograd.Function):
+        # hands over its input and weight in the forward and the gradient in the backward, as TE does
+        @staticmethod
+        def forward(ctx, x, w):
+            counter.inspect("l0", "activation", x, cast(x), SimpleNamespace(), 0)
+            counter.inspect("l0", "weight", w, cast(w), SimpleNamespace(), 0)
+            seen["after_forward"] = len(counter.batch)
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            g = g.contiguous()
+            counter.inspect("l0", "gradient", g, cast(g), SimpleNamespace(), 0)
+            # the forward's operands were counted at this first gradient; the gradient is held
+            seen["in_backward"] = [len(counter.batch), counter.counts[:2].tolist(), counter.counts[2].tolist()]
+            return g * w, g * x
+
+    vals = torch.tensor([100.0, 1e-9, 1.0, -100.0] * 4)
+    x = vals.clone().requires_grad_(True)
+    w = torch.linspace(-300.0, 300.0, 16).requires_grad_(True)
+    (Gemm.apply(x, w) * torch.full((16,), 1e-9)).sum().backward()
+    seen["after_backward"] = [len(counter.batch), counter.counts.tolist()]
+    with torch.no_grad():
+        w.zero_()  # an optimizer step after the backward: the counts were taken before it
+    counter.flush()
+    seen["after_step"] = counter.counts.tolist()
+    # held without a backward (a forward under no_grad), then dropped: nothing counted
+    with torch.no_grad():
+        counter.inspect("l0", "activation", x, cast(x), SimpleNamespace(), 0)
+    seen["held_no_grad"] = len(counter.batch)
+    counter.drop()
+    counter.flush()
+    seen["after_drop"] = counter.counts.tolist()
+    seen["launches"] = counter.batch.launches
+    print(json.dumps(seen))
+""")
+
+
+def test_te_inspection_flushes_the_forward_at_the_first_gradient_and_the_rest_at_the_backward_end() -> None:
+    """With a batch, the forward's operands (an activation, a weight) are held, counted at the
+    first gradient a backward hands over (before any optimizer step could change the weight in
+    place), the gradients when that backward ends; a dropped window counts nothing."""
+    seen = run_interpreted(_FLUSH_POINTS, timeout=300)
+    activation = [8, 4]  # the threshold is 448 / 112 = 4: 100 and -100 overflow, 1e-9 underflows
+    assert seen["after_forward"] == 2
+    held, forward_rows, gradient_row = seen["in_backward"]
+    assert held == 1 and gradient_row == [0, 0]
+    assert forward_rows[0] == activation and forward_rows[1][0] > 0
+    assert seen["after_backward"][0] == 0 and seen["after_backward"][1][2][1] > 0
+    assert seen["after_step"] == seen["after_backward"][1]
+    assert seen["held_no_grad"] == 1 and seen["after_drop"] == seen["after_backward"][1]
+    assert seen["launches"] == 2
