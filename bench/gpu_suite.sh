@@ -11,6 +11,7 @@
 #   bash bench/gpu_suite.sh heal-1e4   # the 1e4 outlier ($HEAL_1E4_ARGS passed on, e.g. --noise:
 #                                      # the unguarded run twice, run-to-run noise; --deterministic)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
+#   bash bench/gpu_suite.sh count-tests  # the count kernels' GPU tests (no TE needed)
 #   bash bench/gpu_suite.sh tripwire-tests  # the tripwire's one-launch check against its torch ops, compiled
 #   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
 #   bash bench/gpu_suite.sh torchao-overhead  # torchao float8: values (both ways) and overhead only, ~2.5 min
@@ -107,6 +108,10 @@ for what in "$@"; do
       fi ;;
     te-tests)
       part te_tests 180 python3 -m pytest -q -p no:cacheprovider tests/agent/test_te_source_*.py -x ;;
+    count-tests)
+      # the count kernels' GPU tests (one launch each, eight a launch, through the compiled handles)
+      part count_tests 240 python3 -m pytest -q -p no:cacheprovider tests/agent/test_count_batch.py \
+        tests/agent/test_compiled_launch.py ;;
     tripwire-tests)
       # every test of both files: the CUDA ones (kernel against torch ops, compiled; no sync) and the
       # interpreter's (each in a fresh process)

@@ -5,6 +5,8 @@ One concept per module:
 - :mod:`._launch`: whether Triton runs here, launch shapes (the only Triton import, with the
   kernels' own modules);
 - :mod:`.counts`: exact FP8 cast counts (:func:`count_cast_into`), the same integers as the torch path;
+  its Triton code in :mod:`._count_kernels`, imported only where Triton imports;
+- :mod:`.count_batch`: several casts counted in one launch (:class:`~.count_batch.CountBatch`);
 - :mod:`.staging`: device tables of addresses, uploaded without a host sync;
 - :mod:`.table_norm`: the gradients' sum of squares in one launch (:class:`TableSumOfSquares`);
 - :mod:`.history_gather`: TE's delayed-scaling reads in one launch (:class:`HistoryGather`);

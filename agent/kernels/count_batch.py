@@ -165,5 +165,5 @@ def _on_stream(stream: int, fn: Callable[[], Any]) -> Any:
     """``fn()`` with ``stream`` current (a raw CUDA handle; 0 or the current one: as it is)."""
     if stream == 0 or stream == _stream_lookup()():
         return fn()
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # type: ignore[no-untyped-call]
         return fn()

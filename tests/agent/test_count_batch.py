@@ -155,3 +155,64 @@ def test_te_inspection_flushes_the_forward_at_the_first_gradient_and_the_rest_at
     assert seen["after_step"] == seen["after_backward"][1]
     assert seen["held_no_grad"] == 1 and seen["after_drop"] == seen["after_backward"][1]
     assert seen["launches"] == 2
+
+
+def _cuda_and_triton() -> bool:
+    import torch
+
+    from fp8guard.agent.kernels._launch import triton_modules
+
+    return bool(torch.cuda.is_available()) and triton_modules() is not None
+
+
+gpu = pytest.mark.skipif(not _cuda_and_triton(), reason="needs a CUDA GPU and Triton")
+
+
+@gpu
+def test_batched_counts_on_the_gpu_equal_one_launch_each_eagerly_in_a_graph_and_on_a_side_stream() -> None:
+    """On the GPU (compiled, through the compiled handle's C launcher): the 604M model's operand
+    shapes at a quarter of the tokens, counted eight to a launch, equal one launch each; the same
+    inside a CUDA graph and with the operands made on a side stream and flushed from the default."""
+    import torch
+
+    from bench._count_probe import synthetic_operands
+    from fp8guard.agent.kernels import count_cast_into
+    from fp8guard.agent.kernels.count_batch import CountBatch
+
+    ops = [op for op in synthetic_operands(layers=2, tokens=4096) if op.q is not None]
+    want = torch.zeros(len(ops), 2, dtype=torch.int64, device="cuda")
+    for i, op in enumerate(ops):
+        count_cast_into(want[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+    got = torch.zeros_like(want)
+    batch = CountBatch()
+
+    def count_all() -> None:
+        for i, op in enumerate(ops):
+            batch.add(got[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+        batch.flush()
+
+    count_all()  # compiles
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and int(want[:, 0].sum()) > 0 and int(want[:, 1].sum()) > 0
+    per_format = [sum(op.fmt is fmt for op in ops) for fmt in {op.fmt for op in ops}]
+    assert batch.alone == 0 and batch.launches == sum(-(-k // 8) for k in per_format) and batch._launch.direct
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got.zero_()
+        with torch.cuda.graph(graph):
+            count_all()
+    torch.cuda.current_stream().wait_stream(side)
+    got.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    got.zero_()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # held on the side stream...
+        for i, op in enumerate(ops[:5]):
+            batch.add(got[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+    batch.flush()  # ...launched there from the default stream
+    torch.cuda.synchronize()
+    assert torch.equal(got[:5], want[:5])
