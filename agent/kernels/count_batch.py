@@ -88,11 +88,12 @@ class CountBatch:
             fmt: Fp8Format, fp8_bytes: torch.Tensor) -> None:
         """Count the cast ``x -> fp8_bytes`` into ``out`` at the group's next launch (at once when
         the operand cannot be batched)."""
-        if not self._batchable(x, fp8_bytes, scale, scale_inv, out):
+        if not self._batchable(x, fp8_bytes):
             self.alone += 1
             counts.count_cast_into(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
             return
-        key = (fmt, x.dtype, x.device, _stream_of(x.device))
+        index = x.get_device()  # (-1 off CUDA; an integer: cheaper than x.device per operand)
+        key = (fmt, x.dtype, index, _stream_lookup()() if index >= 0 else 0)
         held = self._pending.setdefault(key, [])
         held.append(_Held(out, x, fp8_bytes, scale, scale_inv))
         if len(held) == self.slots:
@@ -110,19 +111,19 @@ class CountBatch:
             held.clear()
 
     @staticmethod
-    def _batchable(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
-                   out: torch.Tensor) -> bool:
+    def _batchable(x: torch.Tensor, q: torch.Tensor) -> bool:
+        """What the batched kernel's compiled code assumes (checked cheapest first: per operand)."""
         n = x.numel()
-        return (counts.BYTES_IN_WORDS and 0 < n <= counts.MAX_KERNEL_ELEMENTS and n % 16 == 0
-                and x.dtype in counts._HP_KIND and q.numel() == n and q.element_size() == 1
-                and x.is_contiguous() and q.is_contiguous() and x.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
-                and scale.device == x.device and scale_inv.device == x.device and out.device == x.device
-                and (x.is_cuda or triton_available(x.device)) and counts._kernel() is not None)
+        return (0 < n <= counts.MAX_KERNEL_ELEMENTS and not n % 16 and q.numel() == n and not x.data_ptr() % 16
+                and not q.data_ptr() % 16 and x.dtype in counts._HP_KIND and q.element_size() == 1
+                and x.is_contiguous() and q.is_contiguous() and counts.BYTES_IN_WORDS
+                and (x.is_cuda or triton_available(x.device)) and counts._batch_kernel() is not None)
 
     def _flush_group(self, key: tuple[Any, ...], held: list[_Held]) -> None:
-        fmt, dtype, device, stream = key
+        fmt, dtype, index, stream = key
         ops = list(held)
         held.clear()
+        device = ops[0].x.device
         rows, cols, per_sm, warps = counts.COUNT_SHAPES["bytes"]
         tile = rows * cols
         # one loop length for every slot: as a launch of all their elements would have it
@@ -151,14 +152,8 @@ class CountBatch:
         # What the JIT specialises on is the same for every batch of these constants: the
         # operands' addresses are 16-byte aligned and their counts multiples of 16 (the batch
         # takes no other), the other arguments are not specialised (``do_not_specialize``).
-        _on_stream(stream, lambda: self._launch(grid, args, consts, jit, key=(*consts, warps, device)))
+        _on_stream(stream, lambda: self._launch(grid, args, consts, jit, key=(*consts, warps, index)))
         self.launches += 1
-
-
-def _stream_of(device: torch.device) -> int:
-    """The current stream's raw handle on ``device`` (0 off CUDA): operands of one launch come
-    from one stream, and the launch goes on it."""
-    return _stream_lookup()() if device.type == "cuda" else 0
 
 
 def _on_stream(stream: int, fn: Callable[[], Any]) -> Any:
