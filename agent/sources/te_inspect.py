@@ -29,6 +29,11 @@ LayerNorm+cast and activation+cast, as for any inspection feature); on the other
 ``inspect_tensor_enabled`` tells TE when counting comes next, so the layers take TE's normal
 fused path and nothing is even constructed (TE: "the layer runs at normal speed").
 
+Launches: one count launch per operand (144 a counted step of the 604M model), or, with
+``count_batch.OPERANDS_PER_LAUNCH`` set, up to eight operands of one format a launch
+(:class:`~fp8guard.agent.kernels.count_batch.CountBatch`; :attr:`InspectCounts.batch` says when the
+held operands are counted). Not yet timed on a GPU, so off by default.
+
 Iteration numbering: when fp8guard opens the debug session (the usual case) it keeps TE's
 debug iteration equal to the monitor's step, so the schedule is exact and survives rollbacks.
 When the training script opened it itself (to use TE's own debug features too), call
