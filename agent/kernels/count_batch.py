@@ -58,7 +58,6 @@ class _Held(NamedTuple):
     out: torch.Tensor
     x: torch.Tensor
     q: torch.Tensor
-    scale: torch.Tensor
     scale_inv: torch.Tensor
 
 
@@ -78,7 +77,7 @@ class CountBatch:
         self.launches = 0
         """Batched launches made (a host-side tally, for tests and benches)."""
         self.alone = 0
-        """Operands counted by a launch of their own (not batchable, or no staging buffer free)."""
+        """Operands counted by a launch of their own (what the batched kernel does not take)."""
 
     def __len__(self) -> int:
         """Operands held now."""
@@ -87,7 +86,8 @@ class CountBatch:
     def add(self, out: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor,
             fmt: Fp8Format, fp8_bytes: torch.Tensor) -> None:
         """Count the cast ``x -> fp8_bytes`` into ``out`` at the group's next launch (at once when
-        the operand cannot be batched)."""
+        the operand cannot be batched). ``scale`` serves only a launch of its own: the FP8-bytes
+        test reads no scale."""
         if not self._batchable(x, fp8_bytes):
             self.alone += 1
             counts.count_cast_into(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
@@ -95,7 +95,7 @@ class CountBatch:
         index = x.get_device()  # (-1 off CUDA; an integer: cheaper than x.device per operand)
         key = (fmt, x.dtype, index, _stream_lookup()() if index >= 0 else 0)
         held = self._pending.setdefault(key, [])
-        held.append(_Held(out, x, fp8_bytes, scale, scale_inv))
+        held.append(_Held(out, x, fp8_bytes, scale_inv))
         if len(held) == self.slots:
             self._flush_group(key, held)
 
