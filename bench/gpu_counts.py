@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._counts_kernels import kernel_sweep
+from bench._counts_kernels import KERNEL_PARTS, kernel_sweep
 from bench._counts_modes import _TIME_MODES, DEFAULT_TIME_MODES
 from bench._counts_parts import parts
 from bench._counts_profile import profile_modes
@@ -54,10 +54,12 @@ def main() -> None:
     parser.add_argument("--settle", type=int, default=2, help="time: untimed steps after each mode switch")
     parser.add_argument("--profile-steps", type=int, default=3, help="profile: steps per mode per profiler")
     parser.add_argument("--trace", action="store_true", help="profile: write the counted steps' chrome trace")
-    parser.add_argument("--tag", default="", help="time, profile, parts: suffix of the result file's name")
+    parser.add_argument("--tag", default="", help="time, profile, parts, kernels: suffix of the result file's name")
     parser.add_argument("--modes", default=",".join(DEFAULT_TIME_MODES),
                         help=f"time: the modes compared, comma-separated, of {', '.join(_TIME_MODES)} "
                              "(plain is always timed)")
+    parser.add_argument("--parts", default=None, type=lambda v: v.split(","),
+                        help=f"kernels: the parts run, comma-separated, of {', '.join(KERNEL_PARTS)} (default: all)")
     parser.add_argument("--budget-s", type=float, default=120.0, help="parts: stop starting rounds after this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -67,7 +69,7 @@ def main() -> None:
         write_result(result, args.out, f"{name}.json")
     elif args.what == "kernels":
         result = kernel_sweep(args)
-        write_result(result, args.out, "gpu_counts_kernels.json")
+        write_result(result, args.out, f"gpu_counts_kernels{args.tag}.json")
     elif args.what == "parts":
         result = parts(args)
         write_result(result, args.out, f"gpu_counts_parts{args.tag}.json")

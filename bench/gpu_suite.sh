@@ -11,6 +11,7 @@
 #   bash bench/gpu_suite.sh heal-1e4   # the 1e4 outlier ($HEAL_1E4_ARGS passed on, e.g. --noise:
 #                                      # the unguarded run twice, run-to-run noise; --deterministic)
 #   bash bench/gpu_suite.sh te-tests   # the TE source's GPU tests
+#   bash bench/gpu_suite.sh counts-floor  # the kernels' timing and launch costs alone (no sweep, no TE)
 #   bash bench/gpu_suite.sh count-tests  # the count kernels' GPU tests (no TE needed)
 #   bash bench/gpu_suite.sh tripwire-tests  # the tripwire's one-launch check against its torch ops, compiled
 #   bash bench/gpu_suite.sh torchao    # torchao float8 (tensorwise, rowwise): values, overhead, fallback
@@ -48,6 +49,9 @@ for what in "$@"; do
     counts-profile)
       part counts_profile 150 python3 bench/gpu_counts.py profile --out "$OUT"
       part counts_parts 130 python3 bench/gpu_counts.py parts --rounds 8 --block 4 --settle 1 --budget-s 80 --out "$OUT" ;;
+    counts-floor)
+      # the kernels' timing and launch_floor alone (host time per launch and per batched operand), about a minute
+      part counts_floor 150 python3 bench/gpu_counts.py kernels --parts timing,launch_floor --tag .floor --out "$OUT" ;;
     counts-kernels)
       # (six variants swept at twelve launch shapes since the twelfth session: about twice the
       # eleventh session's 60-91 s)
