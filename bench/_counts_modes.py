@@ -52,8 +52,7 @@ class _Modes:
         self.te_inspect.count_cast_into = self._skip_kernel if mode == "debug_path_only" else self.real
         counter = getattr(self.src, "_inspect", None)
         if counter is not None:  # eight operands a launch (count_batch.CountBatch) in the _batched modes
-            counter.flush()
-            counter.batch = self.batch if mode.endswith("_batched") else None
+            counter.use_batch(self.batch if mode.endswith("_batched") else None)
         if mode == "plain":
             self.state.debug_enabled = False
             return
@@ -73,8 +72,7 @@ class _Modes:
         self.te_inspect.count_cast_into = self.real
         counter = getattr(self.src, "_inspect", None)
         if counter is not None:
-            counter.flush()
-            counter.batch = None
+            counter.use_batch(None)
         self.te_inspect.cache_routes_across_iterations(True)
 
 

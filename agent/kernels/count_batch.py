@@ -50,6 +50,10 @@ launch per operand, the path measured so far). Why more: under 0.5 ms of enqueue
 needs at most 40-70 launches where the 604M model has 144 operands (docs/gpu.md); eight a launch
 makes about 20. Not yet timed on a GPU."""
 
+_LAUNCH = CompiledLaunch()
+"""The batched kernel's launches through its compiled handles (shared by every batch: a new batch
+finds them compiled)."""
+
 _UNUSED_FIRST = 2**31 - 1
 """An unused slot's first program: past every program, so none selects it."""
 
@@ -73,7 +77,6 @@ class CountBatch:
             raise ValueError(f"CountBatch: slots must be 2 to {BATCH_SLOTS}, got {slots}")
         self.slots = slots
         self._pending: dict[tuple[Any, ...], list[_Held]] = {}
-        self._launch = CompiledLaunch()
         self.launches = 0
         """Batched launches made (a host-side tally, for tests and benches)."""
         self.alone = 0
@@ -88,12 +91,12 @@ class CountBatch:
         """Count the cast ``x -> fp8_bytes`` into ``out`` at the group's next launch (at once when
         the operand cannot be batched). ``scale`` serves only a launch of its own: the FP8-bytes
         test reads no scale."""
-        if not self._batchable(x, fp8_bytes):
+        if not self._batchable(x, fp8_bytes) or scale_inv.dtype != torch.float32:
             self.alone += 1
             counts.count_cast_into(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
             return
         index = x.get_device()  # (-1 off CUDA; an integer: cheaper than x.device per operand)
-        key = (fmt, x.dtype, index, _stream_lookup()() if index >= 0 else 0)
+        key = (fmt, x.dtype, index, _stream_lookup()() if index >= 0 else None)
         held = self._pending.setdefault(key, [])
         held.append(_Held(out, x, fp8_bytes, scale_inv))
         if len(held) == self.slots:
@@ -152,13 +155,21 @@ class CountBatch:
         # What the JIT specialises on is the same for every batch of these constants: the
         # operands' addresses are 16-byte aligned and their counts multiples of 16 (the batch
         # takes no other), the other arguments are not specialised (``do_not_specialize``).
-        _on_stream(stream, lambda: self._launch(grid, args, consts, jit, key=(*consts, warps, index)))
+        _on_stream(stream, lambda: _LAUNCH(grid, args, consts, jit, key=(*consts, warps, index)))
         self.launches += 1
 
 
-def _on_stream(stream: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` with ``stream`` current (a raw CUDA handle; 0 or the current one: as it is)."""
-    if stream == 0 or stream == _stream_lookup()():
+def _on_stream(stream: int | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on ``stream`` (a raw CUDA handle, 0 for the default stream; None off CUDA), where
+    the operands were made; the current stream then waits for it, so what the caller enqueues next
+    (a read of the counts) comes after the launch."""
+    if stream is None:
         return fn()
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # type: ignore[no-untyped-call]
+    current = torch.cuda.current_stream()
+    if stream == current.cuda_stream:
         return fn()
+    other = torch.cuda.ExternalStream(stream) if stream else torch.cuda.default_stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(other):
+        result = fn()
+    current.wait_stream(other)
+    return result

@@ -147,6 +147,12 @@ class TESource:
             order: dict[int, int] = {}
             self._inspect.module_of = {layer: order.setdefault(id(m), len(order))
                                        for layer, m in self._inspect_layers.items()}
+            self._inspect.modules = list({id(m): m for m in self._inspect_layers.values()}.values())
+            from fp8guard.agent.kernels import count_batch
+
+            if count_batch.OPERANDS_PER_LAUNCH > 1:
+                self._inspect.use_batch(count_batch.CountBatch(min(count_batch.OPERANDS_PER_LAUNCH,
+                                                                   count_batch.BATCH_SLOTS)))
         self._hooks.sync()  # current/block scaling: the hooks are the measurement
         self._sentinel = FP8Sentinel(self._hooks, [m for _, m in self._switchable])
         """Armed by the Monitor's first ``prepare_step``: did any TE module run in FP8 since?"""
@@ -206,7 +212,6 @@ class TESource:
         counter = self._inspect
         if counter is None:
             return
-        counter.flush()  # before TE rewrites a weight's cached FP8 copy at the next first micro-batch
         if count_every > 0 and not self._inspect_open:
             from fp8guard.agent.sources import te_inspect
 
@@ -214,8 +219,9 @@ class TESource:
             self._inspect_open = True
         changed = count_every != counter.every or stagger_from != counter.stagger_from
         if stagger_from != counter.stagger_from and counter.stagger_from is not None:
-            counter.drop()
+            counter.drop()  # operands held for a batched launch, of the abandoned window
             self._counts.zero_()  # a window the restart abandoned
+        counter.flush()  # what a batch still holds, before TE rewrites a weight's cached FP8 copy
         counter.every = count_every
         counter.stagger_from = stagger_from
         if self._inspect_open and counter.owning:
@@ -394,6 +400,8 @@ class TESource:
     def close(self) -> None:
         """Remove the module hooks (the source reads nothing afterwards)."""
         self._hooks.remove()
+        if self._inspect is not None:
+            self._inspect.use_batch(None)
         self._sentinel.remove()
         if self._delayed is not None:
             self._delayed.close()

@@ -31,8 +31,8 @@ fused path and nothing is even constructed (TE: "the layer runs at normal speed"
 
 Launches: one count launch per operand (144 a counted step of the 604M model), or, with
 ``count_batch.OPERANDS_PER_LAUNCH`` set, up to eight operands of one format a launch
-(:class:`~fp8guard.agent.kernels.count_batch.CountBatch`; :attr:`InspectCounts.batch` says when the
-held operands are counted). Not yet timed on a GPU, so off by default.
+(:class:`~fp8guard.agent.kernels.count_batch.CountBatch`; :meth:`InspectCounts.use_batch` says when
+the held operands are counted). Not yet timed on a GPU, so off by default.
 
 Iteration numbering: when fp8guard opens the debug session (the usual case) it keeps TE's
 debug iteration equal to the monitor's step, so the schedule is exact and survives rollbacks.
@@ -131,15 +131,36 @@ class InspectCounts:
         self.module_of: dict[str, int] = {}
         """TE layer name -> the index of the TE module it belongs to (a LayerNormMLP's two GEMMs
         share one: TE takes its debug path per module)."""
-        per_launch = count_batch.OPERANDS_PER_LAUNCH
-        self.batch = count_batch.CountBatch(min(per_launch, count_batch.BATCH_SLOTS)) if per_launch > 1 else None
-        """Operands counted several to a launch (``count_batch.OPERANDS_PER_LAUNCH``), or None:
-        one launch each. Held operands are counted by :meth:`flush`, which runs at the first
-        gradient of each backward (a weight's values may change in place only after it: an
-        optimizer step) and at its end, and which the source calls before it reads the counts and
-        at each step's start."""
+        self.modules: list[torch.nn.Module] = []
+        """The TE modules counted (the source sets them): with a batch, each one's forward end
+        counts what its forward handed over (:meth:`use_batch`)."""
+        self.batch: count_batch.CountBatch | None = None
+        """Operands counted several to a launch (:meth:`use_batch`), or None: one launch each."""
         self._flushes_at: int | None = None
         """The autograd graph task whose end flushes the batch (one callback per backward)."""
+        self._module_hooks: list[Any] = []
+
+    def use_batch(self, batch: count_batch.CountBatch | None) -> None:
+        """Count operands several to a launch with ``batch`` (None: one launch each, no hooks).
+
+        What the batch holds is counted at the latest at: the end of the forward of the module
+        that handed it over (a forward hook on each of :attr:`modules`: TE drops a forward cast's
+        FP8 bytes there, FSDP may free a gathered weight right after, and an optimizer may change
+        a weight in place once the backward is done), the end of the backward that handed over a
+        gradient (an autograd engine callback; gradients are fresh tensors nobody writes), and
+        whenever the source reads the counts or a step starts (:meth:`flush`)."""
+        self.flush()
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks = []
+        self.batch = batch
+        if batch is not None:
+            for module in self.modules:
+                self._module_hooks.append(module.register_forward_hook(self._module_done, always_call=True))
+
+    def _module_done(self, module: Any, args: Any, output: Any) -> None:
+        if self.batch is not None and len(self.batch):
+            self.flush()
 
     def enabled(self, iteration: int, layer_name: str, tensor_name: str) -> tuple[bool, int | None]:
         """(count on this iteration, next iteration TE must ask again; None: never)."""
@@ -211,7 +232,7 @@ class InspectCounts:
         fmt = _format_of(quantized, target.fmt, quantizer)
         if self.batch is not None and use_bytes and data is not None:
             if task != -1 and task != self._flushes_at:
-                self._flush_in_backward(task)
+                self._flush_at_backward_end(task)
             self.batch.add(self._row(target.index), tensor.detach(), scale=scale if scale is not None else scale_inv,
                            scale_inv=scale_inv, fmt=fmt, fp8_bytes=data)
         else:
@@ -236,10 +257,8 @@ class InspectCounts:
         if self.batch is not None:
             self.batch.drop()
 
-    def _flush_in_backward(self, task: int) -> None:
-        """The first gradient of a backward: count the forward's held operands now, before an
-        optimizer can change a weight in place, and flush again when this backward ends."""
-        self.flush()
+    def _flush_at_backward_end(self, task: int) -> None:
+        """A backward's first held gradient: count what the batch holds when that backward ends."""
         self._flushes_at = task
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)

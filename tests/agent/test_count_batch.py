@@ -85,10 +85,9 @@ _FLUSH_POINTS = textwrap.dedent("""
     import json, torch
     from types import SimpleNamespace
     from fp8guard.agent.fp8 import Fp8Format, quantize
-    from fp8guard.agent.kernels import count_batch
+    from fp8guard.agent.kernels.count_batch import CountBatch
     from fp8guard.agent.sources import te_inspect
 
-    count_batch.OPERANDS_PER_LAUNCH = 8
     scale = torch.tensor([Fp8Format.E4M3.fp8_max / 4.0])
 
     def cast(x):
@@ -104,57 +103,75 @@ _FLUSH_POINTS = textwrap.dedent("""
     class Gemm(torch.autograd.Function):
         # hands over its input and weight in the forward and the gradient in the backward, as TE does
         @staticmethod
-        def forward(ctx, x, w):
+        def forward(ctx, x, w, hand_gradient):
             counter.inspect("l0", "activation", x, cast(x), SimpleNamespace(), 0)
             counter.inspect("l0", "weight", w, cast(w), SimpleNamespace(), 0)
-            seen["after_forward"] = len(counter.batch)
+            seen.setdefault("held_in_forward", len(counter.batch))
             ctx.save_for_backward(x, w)
+            ctx.hand_gradient = hand_gradient
             return x * w
 
         @staticmethod
         def backward(ctx, g):
             x, w = ctx.saved_tensors
-            g = g.contiguous()
-            counter.inspect("l0", "gradient", g, cast(g), SimpleNamespace(), 0)
-            # the forward's operands were counted at this first gradient; the gradient is held
-            seen["in_backward"] = [len(counter.batch), counter.counts[:2].tolist(), counter.counts[2].tolist()]
-            return g * w, g * x
+            if ctx.hand_gradient:
+                g = g.contiguous()
+                counter.inspect("l0", "gradient", g, cast(g), SimpleNamespace(), 0)
+                seen.setdefault("held_in_backward", len(counter.batch))
+            return g * w, g * x, None
+
+    class Module(torch.nn.Module):  # a TE module: its forward hands over its casts
+        def __init__(self, hand_gradient):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.linspace(-300.0, 300.0, 16))
+            self.hand_gradient = hand_gradient
+
+        def forward(self, x):
+            return Gemm.apply(x, self.w, self.hand_gradient)
 
     vals = torch.tensor([100.0, 1e-9, 1.0, -100.0] * 4)
+    module = Module(True)
+    counter.modules = [module]
+    counter.use_batch(CountBatch(8))
     x = vals.clone().requires_grad_(True)
-    w = torch.linspace(-300.0, 300.0, 16).requires_grad_(True)
-    (Gemm.apply(x, w) * torch.full((16,), 1e-9)).sum().backward()
+    (module(x) * torch.full((16,), 1e-9)).sum().backward()
     seen["after_backward"] = [len(counter.batch), counter.counts.tolist()]
+    # A backward that hands over no gradient (a session that counts the forward only), then an
+    # optimizer step: the weight was counted at its module's forward end, before the step.
+    counter.counts.zero_()
+    module.hand_gradient = False
+    (module(x) * torch.full((16,), 1e-9)).sum().backward()
     with torch.no_grad():
-        w.zero_()  # an optimizer step after the backward: the counts were taken before it
+        module.w.zero_()
     counter.flush()
-    seen["after_step"] = counter.counts.tolist()
-    # held without a backward (a forward under no_grad), then dropped: nothing counted
-    with torch.no_grad():
-        counter.inspect("l0", "activation", x, cast(x), SimpleNamespace(), 0)
-    seen["held_no_grad"] = len(counter.batch)
+    seen["forward_only_then_step"] = counter.counts.tolist()
+    # held, then dropped (a window a restart abandoned): nothing counted
+    counter.counts.zero_()
+    counter.inspect("l0", "activation", x, cast(x), SimpleNamespace(), 0)
+    seen["held_outside_a_module"] = len(counter.batch)
     counter.drop()
     counter.flush()
     seen["after_drop"] = counter.counts.tolist()
     seen["launches"] = counter.batch.launches
+    counter.use_batch(None)
+    seen["hooks_after_release"] = len(module._forward_hooks)
     print(json.dumps(seen))
 """)
 
 
-def test_te_inspection_flushes_the_forward_at_the_first_gradient_and_the_rest_at_the_backward_end() -> None:
-    """With a batch, the forward's operands (an activation, a weight) are held, counted at the
-    first gradient a backward hands over (before any optimizer step could change the weight in
-    place), the gradients when that backward ends; a dropped window counts nothing."""
+def test_held_casts_are_counted_at_their_module_s_forward_end_and_at_the_backward_end() -> None:
+    """With a batch, a module's forward casts (an activation, a weight) are held while its forward
+    runs and counted at its end (a forward hook), so an optimizer step after a backward that hands
+    over no gradient cannot change a held weight; gradients are counted when the backward ends; a
+    dropped window counts nothing; releasing the batch removes the hooks."""
     seen = run_interpreted(_FLUSH_POINTS, timeout=300)
     activation = [8, 4]  # the threshold is 448 / 112 = 4: 100 and -100 overflow, 1e-9 underflows
-    assert seen["after_forward"] == 2
-    held, forward_rows, gradient_row = seen["in_backward"]
-    assert held == 1 and gradient_row == [0, 0]
-    assert forward_rows[0] == activation and forward_rows[1][0] > 0
-    assert seen["after_backward"][0] == 0 and seen["after_backward"][1][2][1] > 0
-    assert seen["after_step"] == seen["after_backward"][1]
-    assert seen["held_no_grad"] == 1 and seen["after_drop"] == seen["after_backward"][1]
-    assert seen["launches"] == 2
+    assert seen["held_in_forward"] == 2 and seen["held_in_backward"] == 1
+    held, rows = seen["after_backward"]
+    assert held == 0 and rows[0] == activation and rows[1][0] > 0 and rows[2] == [0, 16]
+    assert seen["forward_only_then_step"] == [activation, rows[1], [0, 0]]  # the weight as it was
+    assert seen["held_outside_a_module"] == 1 and seen["after_drop"] == [[0, 0]] * 3
+    assert seen["launches"] == 3 and seen["hooks_after_release"] == 0
 
 
 def _cuda_and_triton() -> bool:
