@@ -5,6 +5,7 @@ interpreter: see tests/agent/interpreted.py); and where TE's inspection path flu
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -34,10 +35,10 @@ _BATCHED = textwrap.dedent("""
     # 16-byte boundary) are counted alone.
     lengths = [4096 * 3, 160, 4096 * 5 + 32, 2048, 4096 * 2 + 16 * 7, 64 * 1000, 48, 4096 * 9, 4096 + 16]
     out = []
-    for limit, ahead, slots in ((0, 1, 8), (0, 1, 2), (8, 2, 4), (8, 1, 8)):
+    for limit, ahead, slots in SETTINGS:
         counts.ROW_BY_ROW, counts.TILES_AHEAD = limit, ahead
         for fmt in (Fp8Format.E4M3, Fp8Format.E5M2):
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for dtype in DTYPES:
                 ops = []
                 for i, n in enumerate(lengths):
                     x, scale = _tensor(dtype, fmt, n=n, seed=i)
@@ -65,13 +66,17 @@ _BATCHED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_a_batched_launch_counts_what_one_launch_per_operand_counts() -> None:
+_ALL = "SETTINGS = ((0, 1, 8), (0, 1, 2), (8, 2, 4), (8, 1, 8)); DTYPES = (torch.bfloat16, torch.float16, torch.float32)"
+_QUICK = "SETTINGS = ((0, 1, 8),); DTYPES = (torch.bfloat16,)"
+
+
+@pytest.mark.parametrize("which", [pytest.param(_QUICK, id="defaults"), pytest.param(_ALL, id="all", marks=pytest.mark.slow)])
+def test_a_batched_launch_counts_what_one_launch_per_operand_counts(which: str) -> None:
     """Every slot's counts equal its own launch's and the torch path's, at two to eight operands
     a launch, with the word test's candidate settings; operands the batch cannot take are counted
-    alone; a flush leaves nothing held."""
-    results = run_interpreted(_BATCHED, timeout=600)
-    assert len(results) == 4 * 2 * 3
+    alone; a flush leaves nothing held (the default settings in the fast tier, all of them slow)."""
+    results = run_interpreted(f"import torch\n{which}\n{_BATCHED}", timeout=600)
+    assert len(results) == (4 * 2 * 3 if which == _ALL else 2)
     for r in results:
         assert r["batched"] == r["torch"] == r["alone"], r["setting"]
         assert all(over + under > 0 for over, under in r["torch"]), r["setting"]
@@ -186,14 +191,15 @@ gpu = pytest.mark.skipif(not _cuda_and_triton(), reason="needs a CUDA GPU and Tr
 
 
 @gpu
-def test_batched_counts_on_the_gpu_equal_one_launch_each_eagerly_in_a_graph_and_on_a_side_stream() -> None:
+def test_batched_counts_on_the_gpu_equal_one_launch_each_eagerly_in_a_graph_and_on_a_side_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU (compiled, through the compiled handle's C launcher): the 604M model's operand
     shapes at a quarter of the tokens, counted eight to a launch, equal one launch each; the same
-    inside a CUDA graph and with the operands made on a side stream and flushed from the default."""
+    inside a CUDA graph; each launch on the stream its operands were held on."""
     import torch
 
     from bench._count_probe import synthetic_operands
-    from fp8guard.agent.kernels import count_cast_into
+    from fp8guard.agent.kernels import count_batch, count_cast_into
     from fp8guard.agent.kernels.count_batch import CountBatch
 
     ops = [op for op in synthetic_operands(layers=2, tokens=4096) if op.q is not None]
@@ -212,7 +218,7 @@ def test_batched_counts_on_the_gpu_equal_one_launch_each_eagerly_in_a_graph_and_
     torch.cuda.synchronize()
     assert torch.equal(got, want) and int(want[:, 0].sum()) > 0 and int(want[:, 1].sum()) > 0
     per_format = [sum(op.fmt is fmt for op in ops) for fmt in {op.fmt for op in ops}]
-    assert batch.alone == 0 and batch.launches == sum(-(-k // 8) for k in per_format) and batch._launch.direct
+    assert batch.alone == 0 and batch.launches == sum(-(-k // 8) for k in per_format) and count_batch._LAUNCH.direct
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -225,11 +231,28 @@ def test_batched_counts_on_the_gpu_equal_one_launch_each_eagerly_in_a_graph_and_
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+    # Launched on the stream the operands were made on, whichever stream flushes: held on a side
+    # stream and flushed from the default one, and held on the default one (raw handle 0) and
+    # flushed from a side stream.
+    streams: list[int] = []
+    real = count_batch._LAUNCH
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(count_batch, "_LAUNCH", recording)
     got.zero_()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # held on the side stream...
+    with torch.cuda.stream(side):
         for i, op in enumerate(ops[:5]):
             batch.add(got[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
-    batch.flush()  # ...launched there from the default stream
+    batch.flush()
+    for i, op in enumerate(ops[5:10], start=5):
+        batch.add(got[i], op.x, scale=op.scale_inv, scale_inv=op.scale_inv, fmt=op.fmt, fp8_bytes=op.q)
+    with torch.cuda.stream(side):
+        batch.flush()
     torch.cuda.synchronize()
-    assert torch.equal(got[:5], want[:5])
+    assert torch.equal(got[:10], want[:10])
+    default = torch.cuda.default_stream().cuda_stream
+    assert streams and set(streams) == {side.cuda_stream, default}, (streams, side.cuda_stream, default)
