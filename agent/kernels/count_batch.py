@@ -13,10 +13,9 @@ by its own launch.
 
 Holding an operand until its launch keeps its tensors alive that long: up to ``slots`` operands'
 high-precision tensors and FP8 bytes per group (one group per FP8 format, dtype, device and
-stream). The caller flushes before anything could change them: :class:`~fp8guard.agent.sources.
-te_inspect.InspectCounts` flushes at the first gradient of each backward (before an optimizer can
-update a weight in place), at the backward's end, before the counts are read and at every step's
-start (before TE rewrites a weight's cached FP8 copy at the next first micro-batch).
+stream). The caller flushes before anything could free or change them:
+:meth:`fp8guard.agent.sources.te_inspect.InspectCounts.use_batch` says where. A launch goes on the
+stream the operands were handed over on; the flushing stream then waits for it.
 
 Not yet timed on a GPU: :data:`OPERANDS_PER_LAUNCH` stays 0 (one launch per operand, the measured
 path) until ``bench/gpu_counts.py`` shows it pays.
@@ -47,8 +46,8 @@ BATCH_SLOTS = 8
 OPERANDS_PER_LAUNCH = 0
 """Operands counted per launch under TE's inspection API (2 to :data:`BATCH_SLOTS`; 0 or 1: one
 launch per operand, the path measured so far). Why more: under 0.5 ms of enqueue per counted step
-needs at most 40-70 launches where the 604M model has 144 operands (docs/gpu.md); eight a launch
-makes about 20. Not yet timed on a GPU."""
+needs at most 40-70 launches where the 604M model has 144 operands (docs/gpu.md); counted at each
+module's forward end and eight gradients a launch, they take about 42. Not yet timed on a GPU."""
 
 _LAUNCH = CompiledLaunch()
 """The batched kernel's launches through its compiled handles (shared by every batch: a new batch
