@@ -71,11 +71,19 @@ class CountBatch:
     land in each operand's ``out`` row by the time :meth:`flush` returns (enqueued, as always).
     """
 
-    def __init__(self, slots: int = BATCH_SLOTS) -> None:
+    def __init__(self, slots: int = BATCH_SLOTS, *, max_held_bytes: int | None = None) -> None:
+        """``max_held_bytes``: launch a group as soon as its held tensors (high-precision values
+        and FP8 bytes) reach this many bytes, even with fewer than ``slots`` operands (None: no
+        bound but ``slots``): for a run whose memory is too tight to keep a few large operands
+        alive a little longer, at the price of launches."""
         if not 2 <= slots <= BATCH_SLOTS:
             raise ValueError(f"CountBatch: slots must be 2 to {BATCH_SLOTS}, got {slots}")
+        if max_held_bytes is not None and max_held_bytes < 1:
+            raise ValueError(f"CountBatch: max_held_bytes must be positive, got {max_held_bytes}")
         self.slots = slots
+        self.max_held_bytes = max_held_bytes
         self._pending: dict[tuple[Any, ...], list[_Held]] = {}
+        self._held_bytes: dict[tuple[Any, ...], int] = {}
         self.launches = 0
         """Batched launches made (a host-side tally, for tests and benches)."""
         self.alone = 0
@@ -98,6 +106,11 @@ class CountBatch:
         key = (fmt, x.dtype, index, _stream_lookup()() if index >= 0 else None)
         held = self._pending.setdefault(key, [])
         held.append(_Held(out, x, fp8_bytes, scale_inv))
+        if self.max_held_bytes is not None:
+            size = self._held_bytes[key] = self._held_bytes.get(key, 0) + x.numel() * (x.element_size() + 1)
+            if size >= self.max_held_bytes:
+                self._flush_group(key, held)
+                return
         if len(held) == self.slots:
             self._flush_group(key, held)
 
@@ -111,6 +124,7 @@ class CountBatch:
         """Forget the operands held, uncounted (their window was abandoned)."""
         for held in self._pending.values():
             held.clear()
+        self._held_bytes.clear()
 
     @staticmethod
     def _batchable(x: torch.Tensor, q: torch.Tensor) -> bool:
@@ -125,6 +139,7 @@ class CountBatch:
         fmt, dtype, index, stream = key
         ops = list(held)
         held.clear()
+        self._held_bytes.pop(key, None)
         device = ops[0].x.device
         rows, cols, per_sm, warps = counts.COUNT_SHAPES["bytes"]
         tile = rows * cols

@@ -66,6 +66,46 @@ _BATCHED = textwrap.dedent("""
 """)
 
 
+_BOUNDED = textwrap.dedent("""
+    import json, torch
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from fp8guard.agent.kernels.count_batch import CountBatch
+    from tests.agent.test_kernels import _tensor, counted
+
+    fmt = Fp8Format.E4M3
+    ops = []
+    for i, n in enumerate([4096, 1024, 8192, 64, 2048]):  # 12, 3, 24, 0.19 and 6 KB held (BF16 + bytes)
+        x, scale = _tensor(torch.bfloat16, fmt, n=n, seed=i)
+        x = x[:n].clone()
+        ops.append((x, scale, quantize(x, scale[0], fmt).view(torch.uint8)))
+    batch = CountBatch(8, max_held_bytes=7 * 1024)
+    rows = torch.zeros(len(ops), 2, dtype=torch.int64)
+    held = []
+    for j, (x, scale, q) in enumerate(ops):
+        batch.add(rows[j], x, scale=scale, scale_inv=torch.reciprocal(scale), fmt=fmt, fp8_bytes=q)
+        held.append(len(batch))
+    batch.flush()
+    print(json.dumps({"held": held, "launches": batch.launches, "rows": rows.tolist(),
+                      "want": [counted(x, s, fmt, q, "torch") for x, s, q in ops]}))
+""")
+
+
+def test_a_bound_on_held_bytes_launches_a_group_early() -> None:
+    """``max_held_bytes``: a group launches once its held tensors reach the bound, with the same
+    counts; without a bound the same operands would wait for eight."""
+    out = run_interpreted(_BOUNDED, timeout=300)
+    assert out["held"] == [0, 1, 0, 1, 2] and out["launches"] == 3
+    assert out["rows"] == out["want"]
+
+
+def test_a_batch_refuses_a_bad_configuration() -> None:
+    from fp8guard.agent.kernels.count_batch import CountBatch
+
+    for bad in ({"slots": 1}, {"slots": 9}, {"max_held_bytes": 0}):
+        with pytest.raises(ValueError):
+            CountBatch(**bad)
+
+
 _ALL = "SETTINGS = ((0, 1, 8), (0, 1, 2), (8, 2, 4), (8, 1, 8)); DTYPES = (torch.bfloat16, torch.float16, torch.float32)"
 _QUICK = "SETTINGS = ((0, 1, 8),); DTYPES = (torch.bfloat16,)"
 
