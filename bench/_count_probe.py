@@ -279,9 +279,8 @@ def legacy_count_cast_into(out: torch.Tensor, x: torch.Tensor, *, scale: torch.T
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
     q = fp8_bytes if fp8_bytes is not None else x
     words = fp8_bytes is not None and kernels.BYTES_IN_WORDS and q.data_ptr() % 4 == 0
-    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, kernels._MAX_CODE[fmt], kernels._NONZERO_MASK[x.dtype],
-              kernels._HP_KIND[x.dtype], fp8_bytes is not None, rows, cols, iters, words,
-              kernels.ROW_BY_ROW if words else 0, kernels.TILES_AHEAD if words else 1)
+    consts = kernels.kernel_consts(fmt, x.dtype, fp8_bytes is not None, rows, cols, iters, words,
+                                   kernels.ROW_BY_ROW if words else 0, kernels.TILES_AHEAD if words else 1)
     kernels._launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 

@@ -33,9 +33,6 @@ MAX_PROGRAMS_PER_SM = 32
 """Hopper's resident thread blocks per multiprocessor at most."""
 MAX_WARPS_PER_SM = 64
 """Hopper's resident warps per multiprocessor at most (2,048 threads)."""
-NAMES = ["FP8_MAX", "HALF_SUB", "MAX_CODE", "NZ_MASK", "HP_KIND", "FROM_BYTES", "ROWS", "COLS", "ITERS", "WORDS",
-         "ROW_BY_ROW", "AHEAD"]
-"""The count kernel's constexpr parameters, in signature order (``counts._jit_launch``)."""
 RUNTIME_ARGS = 6
 """x, q, scale, scale_inv, out, n: the JIT marks each divisible by 16 for aligned tensors and
 such an element count."""
@@ -126,12 +123,11 @@ def measure(arch: int = 90, iters_list: tuple[int, ...] = (1, 4, 16), sass_dir: 
             ahead = settings.get("TILES_AHEAD", 1) if words else 1
             rows, cols, per_sm, warps = counts.COUNT_SHAPES["bytes" if from_bytes else "hp"]
             for iters in iters_list:
-                consts = dict(zip(NAMES, (fmt.fp8_max, fmt.smallest_subnormal / 2, counts._MAX_CODE[fmt],
-                                          counts._NONZERO_MASK[dtype], counts._HP_KIND[dtype], from_bytes, rows,
-                                          cols, iters, words, row_by_row, ahead), strict=True))
+                consts = dict(zip(counts.CONST_NAMES, counts.kernel_consts(fmt, dtype, from_bytes, rows, cols, iters,
+                                                                           words, row_by_row, ahead), strict=True))
                 signature = {"x_ptr": "*i16", "q_ptr": "*u8" if from_bytes else "*i16", "scale_ptr": "*fp32",
                              "sinv_ptr": "*fp32", "out_ptr": "*i64", "n": "i32",
-                             **{name: "constexpr" for name in NAMES}}
+                             **{name: "constexpr" for name in counts.CONST_NAMES}}
                 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=aligned),
                                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
                 rows_out.append({"variant": variant, "shape": [rows, cols, per_sm, warps], "iters": iters,
@@ -152,11 +148,10 @@ def measure(arch: int = 90, iters_list: tuple[int, ...] = (1, 4, 16), sass_dir: 
                     batch_attrs[(len(batch_sig),)] = [["tt.divisibility", 16]]
                 batch_sig[name] = kind
         batch_sig.update({f"f{j}": "i32" for j in range(1, BATCH_SLOTS)})
-        batch_sig.update({name: "constexpr" for name in NAMES})
+        batch_sig.update({name: "constexpr" for name in counts.CONST_NAMES})
         for iters in iters_list:
-            consts = dict(zip(NAMES, (fmt.fp8_max, fmt.smallest_subnormal / 2, counts._MAX_CODE[fmt],
-                                      counts._NONZERO_MASK[dtype], counts._HP_KIND[dtype], True, rows, cols, iters,
-                                      True, counts.ROW_BY_ROW, counts.TILES_AHEAD), strict=True))
+            consts = dict(zip(counts.CONST_NAMES, counts.kernel_consts(fmt, dtype, True, rows, cols, iters, True,
+                                                                       counts.ROW_BY_ROW, counts.TILES_AHEAD), strict=True))
             compiled = triton.compile(ASTSource(fn=counts._batch_kernel(), signature=batch_sig, constexprs=consts,
                                                 attrs=batch_attrs),
                                       target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})

@@ -157,14 +157,11 @@ class CountBatch:
         slot_args += slot_args[:5] * (BATCH_SLOTS - len(ops))
         firsts += [_UNUSED_FIRST] * (BATCH_SLOTS - len(ops))
         args = (*slot_args, *firsts[1:])
-        consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, counts._MAX_CODE[fmt], counts._NONZERO_MASK[dtype],
-                  counts._HP_KIND[dtype], True, rows, cols, iters, True, counts.ROW_BY_ROW, counts.TILES_AHEAD)
+        consts = counts.kernel_consts(fmt, dtype, True, rows, cols, iters, True, counts.ROW_BY_ROW, counts.TILES_AHEAD)
         kernel = counts._batch_kernel()
 
         def jit() -> Any:
-            names = ("FP8_MAX", "HALF_SUB", "MAX_CODE", "NZ_MASK", "HP_KIND", "FROM_BYTES", "ROWS", "COLS", "ITERS",
-                     "WORDS", "ROW_BY_ROW", "AHEAD")
-            return kernel[(grid,)](*args, **dict(zip(names, consts, strict=True)), num_warps=warps)
+            return kernel[(grid,)](*args, **dict(zip(counts.CONST_NAMES, consts, strict=True)), num_warps=warps)
 
         # What the JIT specialises on is the same for every batch of these constants: the
         # operands' addresses are 16-byte aligned and their counts multiples of 16 (the batch

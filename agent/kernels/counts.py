@@ -64,6 +64,18 @@ def _batch_kernel() -> Any:
     return _count_kernels.count_batch_kernel
 
 
+CONST_NAMES = ("FP8_MAX", "HALF_SUB", "MAX_CODE", "NZ_MASK", "HP_KIND", "FROM_BYTES", "ROWS", "COLS", "ITERS", "WORDS",
+               "ROW_BY_ROW", "AHEAD")
+"""The count kernels' constexpr parameters, in signature order (both kernels of ``_count_kernels``)."""
+
+
+def kernel_consts(fmt: Fp8Format, dtype: torch.dtype, from_bytes: bool, rows: int, cols: int, iters: int,
+                  words: bool, row_by_row: int, ahead: int) -> tuple[Any, ...]:
+    """The constexpr values of a count launch, in :data:`CONST_NAMES`' order."""
+    return (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
+            from_bytes, rows, cols, iters, words, row_by_row, ahead)
+
+
 COUNT_SHAPES: dict[str, tuple[int, int, int, int]] = {"hp": (16, 128, 32, 4), "bytes": (32, 64, 32, 2)}
 """Launch shape per variant: (rows, columns of a tile, programs per multiprocessor, warps).
 ``bench/gpu_counts.py kernels`` times alternatives (it sets this table) before a default moves.
@@ -158,8 +170,8 @@ def count_cast_into(
     # Up to per_sm programs per multiprocessor (enough loads in flight to stream at memory
     # bandwidth), each looping over its tiles; two atomics per program.
     grid, iters = launch_shape(n, x.device, rows * cols, per_sm=per_sm)
-    consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[x.dtype], _HP_KIND[x.dtype],
-              from_bytes, rows, cols, iters, words, ROW_BY_ROW if words else 0, TILES_AHEAD if words else 1)
+    consts = kernel_consts(fmt, x.dtype, from_bytes, rows, cols, iters, words, ROW_BY_ROW if words else 0,
+                           TILES_AHEAD if words else 1)
     _launch_count(kernel, grid, warps, x, q, scale, scale_inv, out, n, consts)
 
 
@@ -202,8 +214,7 @@ def _plan(n: int, dtype: torch.dtype, fmt: Fp8Format, from_bytes: bool, device_i
     if plan is None:
         rows, cols, per_sm, warps = shape
         grid, iters = launch_shape(n, torch.device("cuda", device_index), rows * cols, per_sm=per_sm)
-        consts = (fmt.fp8_max, fmt.smallest_subnormal / 2, _MAX_CODE[fmt], _NONZERO_MASK[dtype], _HP_KIND[dtype],
-                  from_bytes, rows, cols, iters, words, row_by_row, ahead)
+        consts = kernel_consts(fmt, dtype, from_bytes, rows, cols, iters, words, row_by_row, ahead)
         bits_dtype = _BITS_VIEW[dtype]
         q_size = 1 if from_bytes else torch.empty((), dtype=dtype).element_size()
         # the key _launch_count builds, less the addresses' alignment (added per launch)
@@ -256,12 +267,9 @@ def _launch_count(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.
 def _jit_launch(kernel: Any, grid: int, warps: int, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 scale_inv: torch.Tensor, out: torch.Tensor, n: int, consts: tuple[Any, ...],
                 bits_dtype: torch.dtype) -> Any:
-    fp8_max, half_sub, max_code, nz_mask, hp_kind, from_bytes, rows, cols, iters, words, row_by_row, ahead = consts
     bits = x.view(bits_dtype).reshape(-1)
-    qv = q.view(torch.uint8).reshape(-1) if from_bytes else bits
-    return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, FP8_MAX=fp8_max, HALF_SUB=half_sub,
-                           MAX_CODE=max_code, NZ_MASK=nz_mask, HP_KIND=hp_kind, FROM_BYTES=from_bytes, ROWS=rows,
-                           COLS=cols, ITERS=iters, WORDS=words, ROW_BY_ROW=row_by_row, AHEAD=ahead,
+    qv = q.view(torch.uint8).reshape(-1) if consts[CONST_NAMES.index("FROM_BYTES")] else bits
+    return kernel[(grid,)](bits, qv, scale, scale_inv, out, n, **dict(zip(CONST_NAMES, consts, strict=True)),
                            num_warps=warps)
 
 
