@@ -25,9 +25,9 @@ class _Modes:
         from transformer_engine.debug.pytorch.debug_state import TEDebugState
 
         from fp8guard.agent import Monitor, MonitorConfig, NullTransport
-        from fp8guard.agent.sources import te_inspect
+        from fp8guard.agent.sources import te_counts, te_inspect
 
-        self.torch, self.state, self.te_inspect = torch, TEDebugState, te_inspect
+        self.torch, self.state, self.te_inspect, self.te_counts = torch, TEDebugState, te_inspect, te_counts
         self.records = Records()
         logging.getLogger("fp8guard").addHandler(self.records)
         self.m = TEModel(Shape(layers=args.layers))
@@ -37,7 +37,7 @@ class _Modes:
                                transport=NullTransport()).attach(self.m.model, self.m.opt)
         self.src = self.monitor.sources[0]
         self.monitor.set_count_interval(1)  # opens TE's debug session (fp8guard owns it)
-        self.real = te_inspect.count_cast_into
+        self.real = te_counts.count_cast_into
         from fp8guard.agent.kernels.count_batch import BATCH_SLOTS, CountBatch
 
         self.batch = CountBatch(BATCH_SLOTS)
@@ -49,7 +49,7 @@ class _Modes:
 
     def use(self, mode: str) -> None:
         self.mode = mode
-        self.te_inspect.count_cast_into = self._skip_kernel if mode == "debug_path_only" else self.real
+        self.te_counts.count_cast_into = self._skip_kernel if mode == "debug_path_only" else self.real
         counter = getattr(self.src, "_inspect", None)
         if counter is not None:  # eight operands a launch (count_batch.CountBatch) in the _batched modes
             counter.use_batch(self.batch if mode.endswith("_batched") else None)
@@ -69,7 +69,7 @@ class _Modes:
         self.m.step(None if self.mode == "plain" else self.monitor)
 
     def restore(self) -> None:
-        self.te_inspect.count_cast_into = self.real
+        self.te_counts.count_cast_into = self.real
         counter = getattr(self.src, "_inspect", None)
         if counter is not None:
             counter.use_batch(None)

@@ -65,7 +65,7 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
 
     from fp8guard.agent.kernels import counts as kcounts
 
-    torch, te_inspect = modes_.torch, modes_.te_inspect
+    torch, te_counts = modes_.torch, modes_.te_counts
     counter = modes_.src._inspect
     timers = _Timers()
     from bench._count_probe import legacy_count_cast_into
@@ -78,7 +78,7 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
         if mode.startswith("counts_every_step"):
             modes_.use("counts_every_step")
             legacy = mode.endswith("legacy")
-            te_inspect.count_cast_into = timed_legacy if legacy else timed_new
+            te_counts.count_cast_into = timed_legacy if legacy else timed_new
             if legacy:
                 counter._row = lambda i: counter.counts[i]  # HEAD's inspect indexed the buffer per call
             else:

@@ -27,7 +27,7 @@ from bench._counts_modes import _TIME_MODES, _Modes, _round_order
 def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     modes_ = _Modes(args, "gpu_counts_time")
     torch, m, monitor, src, records = modes_.torch, modes_.m, modes_.monitor, modes_.src, modes_.records
-    from fp8guard.agent.sources import te_inspect
+    from fp8guard.agent.sources import te_counts
 
     def use(mode: str) -> None:
         modes_.use(mode)
@@ -89,7 +89,7 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
                            data.view(torch.uint8).clone() if isinstance(data, torch.Tensor)
                            and data.numel() == tensor.numel() else None,
                            scale.clone() if isinstance(scale, torch.Tensor) else None, scale_inv.clone(),
-                           te_inspect._format_of(quantized, counter.targets[(layer_name, tensor_name)].fmt, quantizer)))
+                           te_counts._format_of(quantized, counter.targets[(layer_name, tensor_name)].fmt, quantizer)))
 
     counter.inspect = copying  # type: ignore[method-assign]
     try:

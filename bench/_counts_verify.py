@@ -87,7 +87,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     from fp8guard.agent.fp8 import Fp8Format
     from fp8guard.agent.kernels import count_cast_into
     from fp8guard.agent.sources import te as te_source
-    from fp8guard.agent.sources import te_inspect
+    from fp8guard.agent.sources import te_counts, te_inspect
 
     reference: dict[tuple[str, str], dict[str, Any]] = {}
     info: dict[tuple[str, str], dict[str, Any]] = {}
@@ -120,7 +120,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
             over = compute_fp8_delayed_scaling_overflows_num(tensor, q)
             under = tensor.count_nonzero() - count_nonzero_fp8(data)
             pairs = {"te_functions": torch.stack((over.to(torch.int64), under.to(torch.int64)))}
-            fmt = te_inspect._format_of(q, formats.get(key, Fp8Format.E4M3), quantizer)
+            fmt = te_counts._format_of(q, formats.get(key, Fp8Format.E4M3), quantizer)
             scale = getattr(quantizer, "scale", None)
             for variant, fp8_bytes, s in (("hp", None, scale), ("bytes", data, q._scale_inv)):
                 if variant == "hp" and not isinstance(scale, torch.Tensor):

@@ -39,7 +39,7 @@ def _session(way: str, layers: int) -> tuple[Any, list[str]]:
 
     from bench import _te_namespace
     from fp8guard.agent.fp8 import Fp8Format
-    from fp8guard.agent.sources import te_inspect
+    from fp8guard.agent.sources import te_counts, te_inspect
 
     if debug_api.DEBUG_MANAGER is not None:
         debug_api.end_debug()
@@ -60,7 +60,7 @@ def _session(way: str, layers: int) -> tuple[Any, list[str]]:
     names = _te_namespace.layer_names(layers)
     targets = {(n, t): (i * 3 + j, Fp8Format.E4M3) for i, n in enumerate(names)
                for j, t in enumerate(te_inspect.TENSOR_NAMES.values())}
-    counter = te_inspect.InspectCounts(targets, torch.zeros(len(targets), 2, dtype=torch.int64))
+    counter = te_counts.InspectCounts(targets, torch.zeros(len(targets), 2, dtype=torch.int64))
     counter.owning, counter.every, counter.armed = True, EVERY, True
     te_inspect._Slot.counter = counter
     return debug_api, names

@@ -26,7 +26,8 @@ PUBLIC = {
     ],
     "fp8guard.agent.kernels": ["HistoryGather", "TableSumOfSquares", "count_cast_into", "triton_available"],
     "fp8guard.agent.kernels.count_batch": ["BATCH_SLOTS", "OPERANDS_PER_LAUNCH", "CountBatch"],
-    "fp8guard.agent.sources.te_inspect": ["FEATURE_NAME", "TENSOR_NAMES", "InspectCounts", "register_feature"],
+    "fp8guard.agent.sources.te_counts": ["InspectCounts"],
+    "fp8guard.agent.sources.te_inspect": ["FEATURE_NAME", "TENSOR_NAMES", "register_feature"],
     "fp8guard.service.loop": [
         "Decision", "Detector", "Finding", "GuardConfig", "RunView", "Severity", "TensorMeta", "decide", "promotions",
     ],

@@ -14,7 +14,7 @@ by its own launch.
 Holding an operand until its launch keeps its tensors alive that long: up to ``slots`` operands'
 high-precision tensors and FP8 bytes per group (one group per FP8 format, dtype, device and
 stream). The caller flushes before anything could free or change them:
-:meth:`fp8guard.agent.sources.te_inspect.InspectCounts.use_batch` says where. A launch goes on the
+:meth:`fp8guard.agent.sources.te_counts.InspectCounts.use_batch` says where. A launch goes on the
 stream the operands were handed over on; the flushing stream then waits for it.
 
 Not yet timed on a GPU: :data:`OPERANDS_PER_LAUNCH` stays 0 (one launch per operand, the measured

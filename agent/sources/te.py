@@ -141,9 +141,9 @@ class TESource:
         self._inspect_layers: dict[str, nn.Module] = {}
         """TE debug layer name -> the module it belongs to (exact counts through inspection)."""
         if self.exact_counts == "inspect":
-            from fp8guard.agent.sources import te_inspect
+            from fp8guard.agent.sources import te_counts, te_inspect
 
-            self._inspect = te_inspect.InspectCounts(self._inspect_targets(te_inspect.TENSOR_NAMES), self._counts)
+            self._inspect = te_counts.InspectCounts(self._inspect_targets(te_inspect.TENSOR_NAMES), self._counts)
             order: dict[int, int] = {}
             self._inspect.module_of = {layer: order.setdefault(id(m), len(order))
                                        for layer, m in self._inspect_layers.items()}

@@ -131,7 +131,7 @@ _FLUSH_POINTS = textwrap.dedent("""
     from types import SimpleNamespace
     from fp8guard.agent.fp8 import Fp8Format, quantize
     from fp8guard.agent.kernels.count_batch import CountBatch
-    from fp8guard.agent.sources import te_inspect
+    from fp8guard.agent.sources import te_counts
 
     scale = torch.tensor([Fp8Format.E4M3.fp8_max / 4.0])
 
@@ -141,7 +141,7 @@ _FLUSH_POINTS = textwrap.dedent("""
 
     targets = {("l0", "activation"): (0, Fp8Format.E4M3), ("l0", "weight"): (1, Fp8Format.E4M3),
                ("l0", "gradient"): (2, Fp8Format.E4M3)}
-    counter = te_inspect.InspectCounts(targets, torch.zeros(3, 2, dtype=torch.int64))
+    counter = te_counts.InspectCounts(targets, torch.zeros(3, 2, dtype=torch.int64))
     counter.armed = True
     seen = {}
 

@@ -16,12 +16,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("nvdlfw_inspect")
 
 from fp8guard.agent.fp8 import Fp8Format, count_overflow_underflow, quantize  # noqa: E402
-from fp8guard.agent.sources import te_inspect  # noqa: E402
+from fp8guard.agent.sources import te_counts, te_inspect  # noqa: E402
 
 
-def _counter() -> te_inspect.InspectCounts:
+def _counter() -> te_counts.InspectCounts:
     targets = {("layer0.qkv", "activation"): (0, Fp8Format.E4M3), ("layer0.mlp.fc2", "gradient"): (1, Fp8Format.E5M2)}
-    return te_inspect.InspectCounts(targets, torch.zeros(2, 2, dtype=torch.int64))
+    return te_counts.InspectCounts(targets, torch.zeros(2, 2, dtype=torch.int64))
 
 
 def test_schedule_owning_session_predicts_the_next_counted_step() -> None:
@@ -57,7 +57,7 @@ def test_schedule_joined_session_asks_every_iteration() -> None:
     assert c.enabled(7, "layer0.qkv", "activation") == (True, 8)
 
 
-def _te_modules_ask(c: te_inspect.InspectCounts, modules: dict[str, list[str]], steps: range,
+def _te_modules_ask(c: te_counts.InspectCounts, modules: dict[str, list[str]], steps: range,
                     asks: dict[str, int] | None = None) -> dict[int, set[str]]:
     """What TE 2.20.2 does with the answers (``is_debug_iter``): a module asks at the first forward
     of an iteration at or after the next iteration its features named, and runs its debug path
@@ -84,7 +84,7 @@ def _te_modules_ask(c: te_inspect.InspectCounts, modules: dict[str, list[str]], 
 def test_staggered_schedule_counts_every_module_once_per_whole_window(every: int, start: int) -> None:
     modules = {f"m{k}": [f"m{k}.fc1", f"m{k}.fc2"] if k % 3 == 2 else [f"m{k}"] for k in range(7)}
     layers = [layer for names in modules.values() for layer in names]
-    c = te_inspect.InspectCounts({(layer, "activation"): (i, Fp8Format.E4M3) for i, layer in enumerate(layers)},
+    c = te_counts.InspectCounts({(layer, "activation"): (i, Fp8Format.E4M3) for i, layer in enumerate(layers)},
                                  torch.zeros(len(layers), 2, dtype=torch.int64))
     c.owning, c.every, c.stagger_from = True, every, start
     c.armed = every == 1  # one step a window: nothing to stagger, the Monitor arms every step
@@ -225,11 +225,11 @@ def test_format_from_the_quantizer_before_the_cast_tensor_and_the_default() -> N
     """HYBRID casts gradients to E5M2: the quantizer's dtype decides, whatever the default says."""
     e5m2, e4m3 = SimpleNamespace(dtype="DType.kFloat8E5M2"), SimpleNamespace(dtype="DType.kFloat8E4M3")
     bare = SimpleNamespace()
-    assert te_inspect._format_of(bare, Fp8Format.E4M3, e5m2) is Fp8Format.E5M2
-    assert te_inspect._format_of(SimpleNamespace(_fp8_dtype="DType.kFloat8E5M2"), Fp8Format.E4M3, e4m3) \
+    assert te_counts._format_of(bare, Fp8Format.E4M3, e5m2) is Fp8Format.E5M2
+    assert te_counts._format_of(SimpleNamespace(_fp8_dtype="DType.kFloat8E5M2"), Fp8Format.E4M3, e4m3) \
         is Fp8Format.E4M3
-    assert te_inspect._format_of(SimpleNamespace(_fp8_dtype="DType.kFloat8E5M2"), Fp8Format.E4M3) is Fp8Format.E5M2
-    assert te_inspect._format_of(bare, Fp8Format.E5M2, None) is Fp8Format.E5M2
+    assert te_counts._format_of(SimpleNamespace(_fp8_dtype="DType.kFloat8E5M2"), Fp8Format.E4M3) is Fp8Format.E5M2
+    assert te_counts._format_of(bare, Fp8Format.E5M2, None) is Fp8Format.E5M2
 
 
 def test_counts_go_to_views_of_the_current_buffer() -> None:

@@ -24,7 +24,7 @@ pytest.importorskip("nvdlfw_inspect")
 from bench import te_routing  # noqa: E402
 from bench._te_namespace import layer_names, run_iteration  # noqa: E402
 from fp8guard.agent.fp8 import Fp8Format, quantize  # noqa: E402
-from fp8guard.agent.sources import te_inspect  # noqa: E402
+from fp8guard.agent.sources import te_counts, te_inspect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,7 +124,7 @@ def _cast(x: torch.Tensor) -> SimpleNamespace:
 
 def test_a_forward_cast_handed_over_again_inside_a_backward_is_not_counted_twice() -> None:
     targets = {("layer0.qkv", "activation"): (0, Fp8Format.E4M3), ("layer0.qkv", "gradient"): (1, Fp8Format.E4M3)}
-    counter = te_inspect.InspectCounts(targets, torch.zeros(2, 2, dtype=torch.int64))
+    counter = te_counts.InspectCounts(targets, torch.zeros(2, 2, dtype=torch.int64))
     counter.armed = True
     x = torch.tensor([100.0, 1e-9, 1.0, -100.0], requires_grad=True)  # 2 overflows, 1 underflow
     _Twice.apply(x, counter).mul(torch.tensor([1e-9, 1.0, 1.0, 100.0])).sum().backward()
@@ -140,7 +140,7 @@ def test_activation_checkpointing_s_recompute_is_not_counted_again(reentrant: bo
     from torch.utils.checkpoint import checkpoint
 
     targets = {("layer0.qkv", "activation"): (0, Fp8Format.E4M3)}
-    counter = te_inspect.InspectCounts(targets, torch.zeros(1, 2, dtype=torch.int64))
+    counter = te_counts.InspectCounts(targets, torch.zeros(1, 2, dtype=torch.int64))
     counter.armed = True
 
     def block(x: torch.Tensor) -> torch.Tensor:
