@@ -236,12 +236,16 @@ def count_batch_kernel(x0, q0, i0, o0, n0, x1, q1, i1, o1, n1, x2, q2, i2, o2, n
     x, q, i, o, n, f = _pick(pid >= f5, x5, q5, i5, o5, n5, f5, x, q, i, o, n, f)
     x, q, i, o, n, f = _pick(pid >= f6, x6, q6, i6, o6, n6, f6, x, q, i, o, n, f)
     x, q, i, o, n, f = _pick(pid >= f7, x7, q7, i7, o7, n7, f7, x, q, i, o, n, f)
+    # An address under 2**31 arrives as a 32-bit integer (Triton types an int argument by its value):
+    # never a CUDA address, but a CPU one under the interpreter, from a Python whose heap sits low.
+    # Widened first, every address makes a 64-bit pointer (a no-op for 64-bit arguments).
     if HP_KIND == 2:
-        x_ptr = tl.multiple_of(x.to(tl.pointer_type(tl.int32)), 16)
+        x_ptr = tl.multiple_of(x.to(tl.int64).to(tl.pointer_type(tl.int32)), 16)
     else:
-        x_ptr = tl.multiple_of(x.to(tl.pointer_type(tl.int16)), 16)
-    q_ptr = tl.multiple_of(q.to(tl.pointer_type(tl.uint8)), 16)
-    sinv_ptr = i.to(tl.pointer_type(tl.float32))
-    _count_program(x_ptr, q_ptr, sinv_ptr, sinv_ptr, o.to(tl.pointer_type(tl.int64)), tl.multiple_of(n, 16),
+        x_ptr = tl.multiple_of(x.to(tl.int64).to(tl.pointer_type(tl.int16)), 16)
+    q_ptr = tl.multiple_of(q.to(tl.int64).to(tl.pointer_type(tl.uint8)), 16)
+    sinv_ptr = i.to(tl.int64).to(tl.pointer_type(tl.float32))
+    out_ptr = o.to(tl.int64).to(tl.pointer_type(tl.int64))
+    _count_program(x_ptr, q_ptr, sinv_ptr, sinv_ptr, out_ptr, tl.multiple_of(n, 16),
                    pid - f, FP8_MAX, HALF_SUB, MAX_CODE, NZ_MASK, HP_KIND, FROM_BYTES, ROWS, COLS, ITERS, WORDS,
                    ROW_BY_ROW, AHEAD)

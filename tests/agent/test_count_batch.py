@@ -90,6 +90,66 @@ _BOUNDED = textwrap.dedent("""
 """)
 
 
+_LOW_ADDRESSES = textwrap.dedent("""
+    import ctypes, json, mmap, torch
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from fp8guard.agent.kernels.count_batch import CountBatch
+    from tests.agent.test_kernels import _tensor, counted
+
+    # Memory under 2**31, as a Python whose heap sits low hands out (a non-PIE build): Triton
+    # types an int argument under 2**31 as 32 bits, so each address arrives as int32 there.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size, base = 1 << 20, None
+    for want in (0x10000000, 0x20000000, 0x30000000, 0x40000000):
+        got = libc.mmap(want, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x100000, -1, 0)  # MAP_FIXED_NOREPLACE
+        if got == want:
+            base = got
+            break
+    if base is None:
+        print(json.dumps(None))
+        raise SystemExit(0)
+    arena = torch.frombuffer((ctypes.c_uint8 * size).from_address(base), dtype=torch.uint8)
+    used = 0
+
+    def low(t):
+        global used
+        n = t.numel() * t.element_size()
+        v = arena[used:used + n].view(t.dtype)
+        v.copy_(t.reshape(-1))
+        used += (n + 63) // 64 * 64
+        return v
+
+    fmt = Fp8Format.E4M3
+    ops = []
+    for i, n in enumerate([4096, 160, 8192 + 32]):
+        x, scale = _tensor(torch.bfloat16, fmt, n=n, seed=i)
+        x = low(x[:n])
+        ops.append((x, scale, low(quantize(x, scale[0], fmt).view(torch.uint8))))
+    rows = low(torch.zeros(len(ops), 2, dtype=torch.int64)).view(len(ops), 2)
+    batch = CountBatch(8)
+    for j, (x, scale, q) in enumerate(ops):
+        batch.add(rows[j], x, scale=scale, scale_inv=low(torch.reciprocal(scale)), fmt=fmt, fp8_bytes=q)
+    batch.flush()
+    print(json.dumps({"top": base + used, "launches": batch.launches, "alone": batch.alone, "rows": rows.tolist(),
+                      "want": [counted(x, s, fmt, q, "torch") for x, s, q in ops]}))
+""")
+
+
+def test_a_batch_of_tensors_at_low_addresses_counts_them() -> None:
+    """Addresses under 2**31 reach the batched kernel as 32-bit integers (under the interpreter,
+    from a Python whose heap sits low, as on the device machine's): they still make pointers (the
+    kernel widens every address first). Failed there before the widening, with counting turned off."""
+    out = run_interpreted(_LOW_ADDRESSES, timeout=300)
+    if out is None:
+        pytest.skip("no free address under 2**31 to map")
+    assert out["top"] < 2**31
+    assert out["launches"] == 1 and out["alone"] == 0
+    assert out["rows"] == out["want"] and any(r != [0, 0] for r in out["rows"])
+
+
 def test_a_bound_on_held_bytes_launches_a_group_early() -> None:
     """``max_held_bytes``: a group launches once its held tensors reach the bound, with the same
     counts; without a bound the same operands would wait for eight."""
