@@ -17,8 +17,10 @@ stream). The caller flushes before anything could free or change them:
 :meth:`fp8guard.agent.sources.te_counts.InspectCounts.use_batch` says where. A launch goes on the
 stream the operands were handed over on; the flushing stream then waits for it.
 
-Not yet timed on a GPU: :data:`OPERANDS_PER_LAUNCH` stays 0 (one launch per operand, the measured
-path) until ``bench/gpu_counts.py`` shows it pays.
+On by default (:data:`OPERANDS_PER_LAUNCH` 8) since it was measured on an H100 (fourteenth
+session, docs/gpu.md): the 604M model's 144 operands eight to a launch took 2.51 ms of GPU time
+against 3.73 ms one launch each, 10.2 against 19.5 us of host time an operand, and every operand's
+counts equalled TE's on each of four counted steps (``bench/gpu_counts.py verify --batched``).
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ BATCH_SLOTS = 8
 """Operands one launch of the batched count kernel takes at most (its signature has eight slots:
 ``_count_kernels.count_batch_kernel``)."""
 
-OPERANDS_PER_LAUNCH = 0
+OPERANDS_PER_LAUNCH = 8
 """Operands counted per launch under TE's inspection API (2 to :data:`BATCH_SLOTS`; 0 or 1: one
-launch per operand, the path measured so far). Why more: under 0.5 ms of enqueue per counted step
-needs at most 40-70 launches where the 604M model has 144 operands (docs/gpu.md); counted at each
-module's forward end and eight gradients a launch, they take about 42. Not yet timed on a GPU."""
+launch per operand, each cast counted as TE hands it over). Why more: under 0.5 ms of enqueue per
+counted step needs at most 40-70 launches where the 604M model has 144 operands (docs/gpu.md);
+counted at each module's forward end and eight gradients a launch, they take about 42. On an H100
+the batched launches also took a third less GPU time (fewer, fuller waves; module docs)."""
 
 _LAUNCH = CompiledLaunch()
 """The batched kernel's launches through its compiled handles (shared by every batch: a new batch
