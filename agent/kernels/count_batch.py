@@ -177,11 +177,9 @@ def _on_stream(stream: int | None, fn: Callable[[], Any]) -> Any:
     """``fn()`` on ``stream`` (a raw CUDA handle, 0 for the default stream; None off CUDA), where
     the operands were made; the current stream then waits for it, so what the caller enqueues next
     (a read of the counts) comes after the launch."""
-    if stream is None:
+    if stream is None or stream == _stream_lookup()():  # (no torch Stream object on the usual path)
         return fn()
     current = torch.cuda.current_stream()
-    if stream == current.cuda_stream:
-        return fn()
     other = torch.cuda.ExternalStream(stream) if stream else torch.cuda.default_stream()  # type: ignore[no-untyped-call]
     with torch.cuda.stream(other):
         result = fn()
