@@ -65,6 +65,8 @@ class Detector:
         self.last_scale = _arr(s.get("last_scale"), n, np.float32, fill=np.nan)
         self.under_base = _arr(s.get("under_base"), n, np.float32, fill=-1.0)
         self.under_run = _arr(s.get("under_run"), n, np.int64)
+        self.under_since = _arr(s.get("under_since"), n, np.float64, fill=np.nan)
+        """The step of the check that began each tensor's current run of high underflow counts."""
         self.stale_run = _arr(s.get("stale_run"), n, np.int64)  # consecutive steps with a pinned scale
         self.hist_last = _arr(s.get("hist_last"), n, np.float32, fill=np.nan)  # last amax_history_max seen
         self.hist_since = _arr(s.get("hist_since"), n, np.float64, fill=np.nan)  # step it took that value
@@ -264,8 +266,11 @@ class Detector:
             step, ratio = int(steps[row]), ratios[row]
             worst = idx[np.argmax(ratio[idx])]
             severity = Severity.CRITICAL if ratio[worst] > 16 * self.threshold[worst] else Severity.WARNING
+            # The onset is where the clipping began: a finding raised again after its cooldown
+            # while the same run goes on dates from that run's start, not from the new raise
+            # (else a standing condition marks every checkpoint near each raise as suspect).
             out.append(Finding(
-                rule=Rule.SATURATION, severity=severity, step=step, onset_step=step - cfg.saturation_steps + 1,
+                rule=Rule.SATURATION, severity=severity, step=step, onset_step=step - int(runs[row][idx].max()) + 1,
                 modules=self._modules(idx),
                 explanation=(f"{idx.size} FP8 tensor(s) clipped for {cfg.saturation_steps}+ steps in a row; the "
                              f"worst, {self.tensors[worst].name}, had amax x scale at {ratio[worst]:.3g}x the FP8 "
@@ -404,13 +409,18 @@ class Detector:
         fresh = base < 0
         high = ~fresh & (under > cfg.underflow_growth_factor * base + cfg.underflow_min)
         self.under_run = rules.consecutive(self.under_run, high)
+        self.under_since = np.where(high, np.where(self.under_run == 1, float(step), self.under_since), np.nan)
         self.under_base = np.where(fresh, under, np.where(high, base, base + 0.1 * (under - base)))
         idx = np.flatnonzero(self.under_run >= cfg.underflow_checks)
         if idx.size == 0 or not self._cool("underflow_growth", step):
             return []
         worst = idx[np.argmax(under[idx])]
+        # Dated from the first check of the run (as saturation is): raised again after the
+        # cooldown, a standing condition keeps its onset.
+        since = self.under_since[idx]
+        onset = int(np.nanmin(since)) if np.isfinite(since).any() else step
         return [Finding(
-            rule=Rule.UNDERFLOW_GROWTH, severity=Severity.WARNING, step=step, onset_step=step,
+            rule=Rule.UNDERFLOW_GROWTH, severity=Severity.WARNING, step=step, onset_step=onset,
             modules=self._modules(idx),
             explanation=(f"Values flushed to zero grew in {idx.size} tensor(s); {self.tensors[worst].name} lost "
                          f"{under[worst]:.0f} nonzero values, {under[worst] / max(base[worst], 1):.0f}x its baseline."),
@@ -419,7 +429,7 @@ class Detector:
 
 
 _ARRAYS = ("sat_run", "fast", "slow", "seen", "growth_run", "last_log", "drift", "rising", "ramp_run", "last_scale",
-           "under_base", "under_run", "stale_run", "hist_last", "hist_since")
+           "under_base", "under_run", "under_since", "stale_run", "hist_last", "hist_since")
 
 
 def _pack(a: np.ndarray[Any, Any]) -> dict[str, str]:

@@ -269,3 +269,33 @@ def test_healthy_block_fast_paths_equal_the_step_by_step_rules() -> None:
         assert np.array_equal(got, want[:, :n], equal_nan=True)
     assert np.array_equal(healthy.hist_last, mixed.hist_last[:n]) and \
         np.array_equal(healthy.hist_since, mixed.hist_since[:n], equal_nan=True)
+
+
+def test_a_standing_condition_raised_again_keeps_its_onset() -> None:
+    """Saturation and underflow growth that go on past the cooldown are raised again, dated from
+    where the condition began: a new onset at each raise would mark every checkpoint near it as
+    suspect (known-good needs no onset within the margin), sending a rollback back through the
+    whole standing condition (an H100 heal run went back 102 steps instead of 27, docs/gpu.md)."""
+    cfg = GuardConfig(cooldown_steps=30)
+    det = Detector(cfg, _metas(4))
+    sat = np.ones((80, 4))
+    sat[10:, 2] = 5.0  # clips from step 10 on
+    found = det.observe([], [_block(list(range(80)), sat)])
+    assert [(f.rule, f.step, f.onset_step) for f in found] == [("saturation", 19, 10), ("saturation", 49, 10),
+                                                               ("saturation", 79, 10)]
+
+    det = Detector(cfg, _metas(4))
+    checks = list(range(0, 300, 10))  # a count every 10th step
+    under = np.full((len(checks), 4), 500.0, dtype=np.float32)
+    under[12:, 3] = 100_000.0  # l1's gradient from the check of step 120 on
+    block = StatBlock(stats=("underflows",), steps=np.asarray(checks), values=under[:, None, :])
+    found = det.observe([], [block])
+    raised = [(f.step, f.onset_step) for f in found if f.rule is Rule.UNDERFLOW_GROWTH]
+    assert raised[0] == (140, 120) and len(raised) >= 3
+    assert all(onset == 120 for _, onset in raised)
+    # the state carries the run's start over a restart
+    again = Detector(cfg, _metas(4), det.state_dict())
+    later = StatBlock(stats=("underflows",), steps=np.asarray([300, 310, 320, 330]),
+                      values=np.full((4, 1, 4), 100_000.0, dtype=np.float32) * np.array([0, 0, 0, 1])[None, None, :]
+                      + np.array([500, 500, 500, 0])[None, None, :])
+    assert [f.onset_step for f in again.observe([], [later])] == [120]
