@@ -106,6 +106,9 @@ class HealConfig:
     count_stagger: bool = True
     """``MonitorConfig.count_stagger`` (its default): each TE module counted at its own step of the
     interval; False counts every module at the interval's multiple."""
+    operands_per_launch: int | None = None
+    """``count_batch.OPERANDS_PER_LAUNCH`` for the runs (TE's counted casts per count launch); None:
+    the library's default (8); 0: one launch per operand."""
     harm_interval: int = 25
     """The harm probe every this many steps in both FP8 runs (plus whenever the tripwire fires);
     0 runs the policy on numerics alone, as before the probe existed."""
@@ -322,6 +325,8 @@ def main() -> None:
     parser.add_argument("--count-stagger", dest="count_stagger", action=argparse.BooleanOptionalAction, default=None,
                         help="count each TE module at its own step of the interval (MonitorConfig.count_stagger, "
                              "the default), or with --no-count-stagger every module at the interval's multiple")
+    parser.add_argument("--operands-per-launch", dest="operands_per_launch", type=int,
+                        help="count_batch.OPERANDS_PER_LAUNCH for the runs (0: one count launch per operand)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--runs", default="fp8_unguarded,fp8_guarded,bf16",
                         help=f"comma list of {', '.join(RUNS)} (in this order of training)")
@@ -346,9 +351,13 @@ def main() -> None:
         cfg = HealConfig(backend=args.backend, steps=300, n_layer=2, n_head=2, n_embd=64, block_size=64,
                          batch_size=8, incident=150, incident_batches=60, ramp_batches=20, checkpoint_every=25)
     for name in ("steps", "incident", "incident_batches", "ramp_batches", "outlier", "target_blocks", "target_linear", "lr_burst",
-                 "history", "harm_interval", "count_interval", "count_stagger"):
+                 "history", "harm_interval", "count_interval", "count_stagger", "operands_per_launch"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
+    if cfg.operands_per_launch is not None:  # read by the TE source when a monitor attaches
+        from fp8guard.agent.kernels import count_batch
+
+        count_batch.OPERANDS_PER_LAUNCH = cfg.operands_per_launch
     if cfg.backend == "te":
         from bench._te_model import require_te
 
