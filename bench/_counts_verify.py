@@ -161,10 +161,10 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     m.recipe = _recipe(args.recipe)
     m.step()  # warm-up: TE creates its FP8 state (all features see iteration 0)
     debug_api.step()
-    if getattr(args, "batched", False):  # fp8guard's feature counts eight operands a launch
-        from fp8guard.agent.kernels import count_batch
+    from fp8guard.agent.kernels import count_batch
 
-        count_batch.OPERANDS_PER_LAUNCH = count_batch.BATCH_SLOTS
+    # fp8guard's feature counts eight operands a launch with --batched (the default), else one a launch
+    count_batch.OPERANDS_PER_LAUNCH = count_batch.BATCH_SLOTS if getattr(args, "batched", False) else 0
     src = te_source.discover(m.model, required=True)
     assert isinstance(src, te_source.TESource)
     src.prepare_step(1, 1)

@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--recipe", choices=["delayed", "current"], default="delayed",
                         help="verify: DelayedScaling or Float8CurrentScaling (HYBRID)")
     parser.add_argument("--batched", action="store_true",
-                        help="verify: fp8guard's feature counts eight operands a launch (count_batch.CountBatch)")
+                        help="verify: fp8guard's feature counts eight operands a launch (count_batch.CountBatch, the "
+                             "library's default); without it, one launch per operand")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--steps", type=int, default=4, help="verify: counted steps compared")
     parser.add_argument("--rounds", type=int, default=10)

@@ -354,10 +354,12 @@ def main() -> None:
                  "history", "harm_interval", "count_interval", "count_stagger", "operands_per_launch"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
-    if cfg.operands_per_launch is not None:  # read by the TE source when a monitor attaches
+    if cfg.backend == "te":  # read by the TE source when a monitor attaches; recorded as it ran
         from fp8guard.agent.kernels import count_batch
 
-        count_batch.OPERANDS_PER_LAUNCH = cfg.operands_per_launch
+        if cfg.operands_per_launch is not None:
+            count_batch.OPERANDS_PER_LAUNCH = cfg.operands_per_launch
+        cfg.operands_per_launch = count_batch.OPERANDS_PER_LAUNCH
     if cfg.backend == "te":
         from bench._te_model import require_te
 

@@ -105,11 +105,9 @@ def launch_hooks_off() -> bool:
 
 
 @functools.cache
-@functools.cache
 def _stream_lookup() -> Callable[[], int]:
     """The current CUDA stream's raw handle on the current device, as Triton's runner looks it up
-    (the current device, not the arguments'), through torch's C entry points where they exist
-    (found once: a launch calls the function it returns)."""
+    (the current device, not the arguments'), through torch's C entry points where they exist."""
     get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:

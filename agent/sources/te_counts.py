@@ -3,8 +3,8 @@ counter behind the ``Fp8GuardCounts`` feature of TE's tensor-inspection API
 (:mod:`fp8guard.agent.sources.te_inspect` registers the feature and runs the debug session; this
 module never imports ``nvdlfw_inspect``).
 
-For each cast TE hands over, :class:`InspectCounts` launches one fused counting kernel
-(:func:`fp8guard.agent.kernels.count_cast_into`) and adds the exact overflow and underflow counts
+For each cast TE hands over, :class:`InspectCounts` enqueues a fused counting kernel (several
+casts to a launch by default: ``Launches`` below) that adds the exact overflow and underflow counts
 (TE's ``LogFp8TensorStats`` definitions) into the source's device buffer. No host sync, none of
 TE's stats buffers (which sync on every feed).
 
@@ -265,6 +265,3 @@ def _format_of(quantized: Any, default: Fp8Format, quantizer: Any = None) -> Fp8
         if "E5M2" in name:
             return Fp8Format.E5M2
     return default
-
-
-# -- the nvdlfw-inspect feature ---------------------------------------------------------------

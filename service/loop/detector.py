@@ -266,11 +266,8 @@ class Detector:
             step, ratio = int(steps[row]), ratios[row]
             worst = idx[np.argmax(ratio[idx])]
             severity = Severity.CRITICAL if ratio[worst] > 16 * self.threshold[worst] else Severity.WARNING
-            # The onset is where the clipping began: a finding raised again after its cooldown
-            # while the same run goes on dates from that run's start, not from the new raise
-            # (else a standing condition marks every checkpoint near each raise as suspect).
             out.append(Finding(
-                rule=Rule.SATURATION, severity=severity, step=step, onset_step=step - int(runs[row][idx].max()) + 1,
+                rule=Rule.SATURATION, severity=severity, step=step, onset_step=step - cfg.saturation_steps + 1,
                 modules=self._modules(idx),
                 explanation=(f"{idx.size} FP8 tensor(s) clipped for {cfg.saturation_steps}+ steps in a row; the "
                              f"worst, {self.tensors[worst].name}, had amax x scale at {ratio[worst]:.3g}x the FP8 "
@@ -408,6 +405,9 @@ class Detector:
         base = self.under_base
         fresh = base < 0
         high = ~fresh & (under > cfg.underflow_growth_factor * base + cfg.underflow_min)
+        rewound = self.under_since > step  # a rollback rewound the steps: runs of the abandoned timeline end
+        if rewound.any():
+            self.under_run = np.where(rewound, 0, self.under_run)
         self.under_run = rules.consecutive(self.under_run, high)
         self.under_since = np.where(high, np.where(self.under_run == 1, float(step), self.under_since), np.nan)
         self.under_base = np.where(fresh, under, np.where(high, base, base + 0.1 * (under - base)))
@@ -415,10 +415,12 @@ class Detector:
         if idx.size == 0 or not self._cool("underflow_growth", step):
             return []
         worst = idx[np.argmax(under[idx])]
-        # Dated from the first check of the run (as saturation is): raised again after the
-        # cooldown, a standing condition keeps its onset.
+        # Dated from the check that began the run: raised again after the cooldown, a standing
+        # condition keeps its onset (a new onset at each raise would take the known-good mark from
+        # every checkpoint near it). With several tensors, the latest start: a tensor whose run is
+        # new makes the finding as new as it.
         since = self.under_since[idx]
-        onset = int(np.nanmin(since)) if np.isfinite(since).any() else step
+        onset = min(step, int(np.nanmax(since))) if np.isfinite(since).all() else step
         return [Finding(
             rule=Rule.UNDERFLOW_GROWTH, severity=Severity.WARNING, step=step, onset_step=onset,
             modules=self._modules(idx),

@@ -271,31 +271,33 @@ def test_healthy_block_fast_paths_equal_the_step_by_step_rules() -> None:
         np.array_equal(healthy.hist_since, mixed.hist_since[:n], equal_nan=True)
 
 
-def test_a_standing_condition_raised_again_keeps_its_onset() -> None:
-    """Saturation and underflow growth that go on past the cooldown are raised again, dated from
-    where the condition began: a new onset at each raise would mark every checkpoint near it as
-    suspect (known-good needs no onset within the margin), sending a rollback back through the
-    whole standing condition (an H100 heal run went back 102 steps instead of 27, docs/gpu.md)."""
+def _under(steps: list[int], values: np.ndarray) -> StatBlock:
+    return StatBlock(stats=("underflows",), steps=np.asarray(steps), values=values.astype(np.float32)[:, None, :])
+
+
+def test_a_standing_underflow_growth_raised_again_keeps_its_onset() -> None:
+    """Underflow growth that goes on past the cooldown is raised again, dated from the check that
+    began it: a new onset at each raise would take the known-good mark from every checkpoint near
+    it (no onset may fall within the margin), sending a rollback back through the whole standing
+    condition (an H100 heal run went back 102 steps instead of 27, docs/gpu.md). A tensor whose run
+    is new makes the finding new; a rollback ends the abandoned timeline's runs."""
     cfg = GuardConfig(cooldown_steps=30)
     det = Detector(cfg, _metas(4))
-    sat = np.ones((80, 4))
-    sat[10:, 2] = 5.0  # clips from step 10 on
-    found = det.observe([], [_block(list(range(80)), sat)])
-    assert [(f.rule, f.step, f.onset_step) for f in found] == [("saturation", 19, 10), ("saturation", 49, 10),
-                                                               ("saturation", 79, 10)]
-
-    det = Detector(cfg, _metas(4))
     checks = list(range(0, 300, 10))  # a count every 10th step
-    under = np.full((len(checks), 4), 500.0, dtype=np.float32)
+    under = np.full((len(checks), 4), 500.0)
     under[12:, 3] = 100_000.0  # l1's gradient from the check of step 120 on
-    block = StatBlock(stats=("underflows",), steps=np.asarray(checks), values=under[:, None, :])
-    found = det.observe([], [block])
+    found = det.observe([], [_under(checks, under)])
     raised = [(f.step, f.onset_step) for f in found if f.rule is Rule.UNDERFLOW_GROWTH]
     assert raised[0] == (140, 120) and len(raised) >= 3
     assert all(onset == 120 for _, onset in raised)
-    # the state carries the run's start over a restart
+    # the state carries the run's start over a restart; another tensor's new run dates the finding
     again = Detector(cfg, _metas(4), det.state_dict())
-    later = StatBlock(stats=("underflows",), steps=np.asarray([300, 310, 320, 330]),
-                      values=np.full((4, 1, 4), 100_000.0, dtype=np.float32) * np.array([0, 0, 0, 1])[None, None, :]
-                      + np.array([500, 500, 500, 0])[None, None, :])
-    assert [f.onset_step for f in again.observe([], [later])] == [120]
+    more = np.tile(np.array([500.0, 500.0, 500.0, 100_000.0]), (6, 1))
+    more[2:, 1] = 100_000.0  # l0's gradient from the check of step 320 on
+    later = [(f.step, f.onset_step) for f in again.observe([], [_under(list(range(300, 360, 10)), more)])]
+    assert later == [(320, 120), (350, 320)]  # (the rule cools down for 30 steps after each raise)
+    # a rollback to step 200: l1's run began at 120, before it, on the history both timelines share,
+    # and goes on; l0's began at 320, on the abandoned timeline: it ends, and starts again at 200
+    replay = np.tile(np.array([500.0, 100_000.0, 500.0, 100_000.0]), (6, 1))
+    rewound = [(f.step, f.onset_step) for f in again.observe([], [_under(list(range(200, 260, 10)), replay)])]
+    assert rewound == [(200, 120), (230, 200)]
