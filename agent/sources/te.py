@@ -229,6 +229,8 @@ class TESource:
 
             # A new cadence invalidates the 'next debug iteration' TE cached from the old one.
             te_inspect.set_iteration(step, self._switchable, requery=changed)
+        counter.step = step
+        counter.sync_hooks()
 
     def read(self, out: torch.Tensor) -> None:
         with torch.no_grad():  # plain reads of TE's buffers, whatever the caller's grad mode
@@ -260,6 +262,7 @@ class TESource:
     def arm_counts(self, enabled: bool) -> None:
         if self._inspect is not None:
             self._inspect.armed = enabled and self._inspect_open and self.supports_counts
+            self._inspect.sync_hooks()
             return
         self._hooks.counting = enabled and self.supports_counts
         if self._delayed is not None:

@@ -112,7 +112,11 @@ class InspectCounts:
         """Operands counted several to a launch (:meth:`use_batch`), or None: one launch each."""
         self._flushes_at: int | None = None
         """The autograd graph task whose end flushes the batch (one callback per backward)."""
-        self._module_hooks: list[Any] = []
+        self.step: int | None = None
+        """The step about to run (the source sets it before each step; TE's debug iteration when
+        fp8guard owns the session): which modules the staggered schedule counts, hence hooks."""
+        self._module_hooks: dict[int, Any] = {}
+        """Module index -> its forward hook's handle, on the modules whose casts this step counts."""
 
     def use_batch(self, batch: count_batch.CountBatch | None) -> None:
         """Count operands several to a launch with ``batch`` (None: one launch each, no hooks).
@@ -122,15 +126,30 @@ class InspectCounts:
         FP8 bytes there, FSDP may free a gathered weight right after, and an optimizer may change
         a weight in place once the backward is done), the end of the backward that handed over a
         gradient (an autograd engine callback; gradients are fresh tensors nobody writes), and
-        whenever the source reads the counts or a step starts (:meth:`flush`)."""
+        whenever the source reads the counts or a step starts (:meth:`flush`). The hooks are on
+        the modules this step counts alone (:meth:`sync_hooks`), so no other forward runs any
+        per-module code."""
         self.flush()
-        for handle in self._module_hooks:
-            handle.remove()
-        self._module_hooks = []
         self.batch = batch
-        if batch is not None:
-            for module in self.modules:
-                self._module_hooks.append(module.register_forward_hook(self._module_done, always_call=True))
+        self.sync_hooks()
+
+    def sync_hooks(self) -> None:
+        """Forward hooks on exactly the modules whose casts the step about to run counts (with a
+        batch; none without): all of them while counting is armed, under staggered counting
+        those due at :attr:`step`. Call when the step, the schedule or ``armed`` changes."""
+        due: range | list[int] = range(0)
+        if self.batch is not None and self.active:
+            if self.staggered and self.step is not None:
+                step = self.step
+                due = [i for i in range(len(self.modules)) if self._due(step, i % self.every)[0]]
+            elif self.armed:
+                due = range(len(self.modules))
+        keep = set(due)
+        for i in [i for i in self._module_hooks if i not in keep]:
+            self._module_hooks.pop(i).remove()
+        for i in keep:
+            if i not in self._module_hooks:
+                self._module_hooks[i] = self.modules[i].register_forward_hook(self._module_done, always_call=True)
 
     def _module_done(self, module: Any, args: Any, output: Any) -> None:
         if self.batch is not None and len(self.batch):
@@ -157,9 +176,12 @@ class InspectCounts:
 
     def _staggered(self, iteration: int, layer_name: str) -> tuple[bool, int]:
         """(this layer counts at ``iteration``, the next iteration it counts at)."""
+        return self._due(iteration, self.module_of.get(layer_name, 0) % self.every)
+
+    def _due(self, iteration: int, phase: int) -> tuple[bool, int]:
+        """(a module of this phase counts at ``iteration``, the next iteration it counts at)."""
         assert self.stagger_from is not None
         every = self.every
-        phase = self.module_of.get(layer_name, 0) % every
         first = first_whole_window_end(self.stagger_from, every)
         due = (iteration + phase) % every == 0 and iteration + phase >= first
         nxt = iteration + 1 + (-(iteration + 1 + phase)) % every

@@ -356,3 +356,39 @@ def test_batched_counts_on_the_gpu_equal_one_launch_each_eagerly_in_a_graph_and_
     assert torch.equal(got[:10], want[:10])
     default = torch.cuda.default_stream().cuda_stream
     assert streams and set(streams) == {side.cuda_stream, default}, (streams, side.cuda_stream, default)
+
+
+def test_hooks_sit_only_on_the_modules_whose_casts_the_step_counts() -> None:
+    """A batch's forward hooks run per module per forward: present only while the step counts
+    that module (all of them when armed; under staggered counting those due at the step, the same
+    ones TE's routing question is answered yes for), so uncounted steps run no per-module code."""
+    import torch
+
+    from fp8guard.agent.fp8 import Fp8Format
+    from fp8guard.agent.kernels.count_batch import CountBatch
+    from fp8guard.agent.sources import te_counts
+
+    layers = [f"l{i}" for i in range(5)]
+    modules = [torch.nn.Linear(2, 2) for _ in layers]
+    counter = te_counts.InspectCounts({(layer, "activation"): (i, Fp8Format.E4M3) for i, layer in enumerate(layers)},
+                                      torch.zeros(5, 2, dtype=torch.int64))
+    counter.module_of = {layer: i for i, layer in enumerate(layers)}
+    counter.modules = modules
+
+    def hooked() -> list[int]:
+        return [i for i, m in enumerate(modules) if m._forward_hooks]
+
+    counter.use_batch(CountBatch(8))
+    assert hooked() == []  # not armed: nothing counts
+    counter.armed = True
+    counter.sync_hooks()
+    assert hooked() == [0, 1, 2, 3, 4]
+    counter.armed, counter.owning, counter.every, counter.stagger_from = False, True, 3, 0
+    for step in range(3, 12):
+        counter.step = step
+        counter.sync_hooks()
+        due = [i for i, layer in enumerate(layers) if counter.enabled(step, layer, "activation")[0]]
+        assert hooked() == due and due
+        assert all(len(m._forward_hooks) <= 1 for m in modules)
+    counter.use_batch(None)
+    assert hooked() == []
