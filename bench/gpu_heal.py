@@ -59,6 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._batch_check import batched_vs_at_once
 from bench.scenarios import steps_to_apply
 
 # TE 2.20 refuses its own pickled DelayedScaling checkpoint state unless told otherwise; the
@@ -327,6 +328,8 @@ def main() -> None:
                              "the default), or with --no-count-stagger every module at the interval's multiple")
     parser.add_argument("--operands-per-launch", dest="operands_per_launch", type=int,
                         help="count_batch.OPERANDS_PER_LAUNCH for the runs (0: one count launch per operand)")
+    parser.add_argument("--check-batch", dest="check_batch", action="store_true",
+                        help="count every batched operand also at once and compare (bench/_batch_check.py)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--runs", default="fp8_unguarded,fp8_guarded,bf16",
                         help=f"comma list of {', '.join(RUNS)} (in this order of training)")
@@ -383,7 +386,11 @@ def main() -> None:
                 api.put(f"/v1/runs/{run_id}", json={"model": "byte-gpt", "guard": guard,
                                                     "recipe": {"backend": cfg.backend, "history": cfg.history}}
                         ).raise_for_status()
-            result = train(cfg, mode, url=service.base if mode != "bf16" else None, run_id=run_id, workdir=workdir)
+            with (batched_vs_at_once() if args.check_batch and mode != "bf16" else contextlib.nullcontext({})) as check:
+                result = train(cfg, mode, url=service.base if mode != "bf16" else None, run_id=run_id,
+                               workdir=workdir)
+            if check:
+                result["batch_check"] = check
             if mode != "bf16":
                 time.sleep(0.5)  # the service stores the last batches
                 result["findings"] = [{k: f[k] for k in ("id", "step", "onset_step", "rule", "severity", "modules",
@@ -439,6 +446,8 @@ def main() -> None:
         "noise": same_as(runs["fp8_unguarded_again"], runs["fp8_unguarded"])
         if "fp8_unguarded_again" in runs and "fp8_unguarded" in runs else None,
         "deterministic": args.deterministic,
+        "batch_check": {m: {k: r["batch_check"][k] for k in ("operands", "differing")}
+                        for m, r in runs.items() if "batch_check" in r} or None,
         "runs": runs, "seconds": round(time.perf_counter() - started, 1),
     }
     line = json.dumps(result, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

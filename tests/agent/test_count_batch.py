@@ -279,6 +279,60 @@ def test_held_casts_are_counted_at_their_module_s_forward_end_and_at_the_backwar
     assert seen["launches"] == 3 and seen["hooks_after_release"] == 0
 
 
+
+_CHECKED = textwrap.dedent("""
+    import json, torch
+    from types import SimpleNamespace
+    from bench._batch_check import batched_vs_at_once
+    from fp8guard.agent.fp8 import Fp8Format, quantize
+    from fp8guard.agent.kernels.count_batch import CountBatch
+    from fp8guard.agent.sources import te_counts
+
+    scale = torch.tensor([Fp8Format.E4M3.fp8_max / 4.0])
+
+    def cast(x):
+        return SimpleNamespace(_data=quantize(x.detach(), scale[0], Fp8Format.E4M3).view(torch.uint8),
+                               _scale_inv=torch.reciprocal(scale), _fp8_dtype="E4M3")
+
+    targets = {("l0", "activation"): (0, Fp8Format.E4M3), ("l1", "activation"): (1, Fp8Format.E4M3)}
+    counter = te_counts.InspectCounts(targets, torch.zeros(2, 2, dtype=torch.int64))
+    counter.armed = True
+    counter.use_batch(CountBatch(8))
+    vals = torch.tensor([100.0, 1e-9, 1.0, -100.0] * 4)
+    reports = []
+    with batched_vs_at_once() as clean:
+        counter.inspect("l0", "activation", vals, cast(vals), SimpleNamespace(), 0)
+        counter.flush()
+    reports.append(clean)
+    with batched_vs_at_once() as changed:
+        x = vals.clone()
+        counter.inspect("l0", "activation", x, cast(x), SimpleNamespace(), 0)
+        y = vals.clone()
+        counter.inspect("l1", "activation", y, cast(y), SimpleNamespace(), 0)
+        y.mul_(1e-3)  # a held tensor changed before its launch: its +-100s no longer pass the threshold
+        counter.flush()
+        counter.inspect("l0", "activation", vals, cast(vals), SimpleNamespace(), 0)
+        counter.drop()  # held, never launched: not compared
+    reports.append(changed)
+    reports.append(counter.counts.tolist())
+    print(json.dumps(reports))
+""")
+
+
+def test_the_batch_check_finds_a_held_tensor_changed_before_its_launch() -> None:
+    """``bench/_batch_check.py`` (``gpu_heal.py --check-batch``): each operand a batch takes is
+    counted at once and again at the batch's launch; unchanged tensors agree, a held tensor
+    written between its hand-over and its launch shows as a difference, and a dropped operand is
+    not compared. The run's own counts are those of the batch alone."""
+    clean, changed, counts = run_interpreted(_CHECKED, timeout=300)
+    assert clean["operands"] == 1 and clean["differing"] == 0
+    assert clean["by_tensor"]["l0:activation"]["held"] == [8, 4]
+    assert changed["operands"] == 2 and changed["differing"] == 1
+    example, = changed["examples"]
+    assert example["tensor"] == "l1:activation" and example["at_once"] == [8, 4] and example["held"] != [8, 4]
+    assert counts[0] == [16, 8] and counts[1] == example["held"]
+
+
 def _cuda_and_triton() -> bool:
     import torch
 

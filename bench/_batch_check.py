@@ -1,0 +1,103 @@
+"""The same casts counted twice: at once, as TE hands each over, and held for a batched launch.
+
+``count_batch.CountBatch`` holds an operand from TE's ``inspect_tensor`` call until its launch (its
+module's forward end, the backward's end, a read). Its counts equal TE's only if nothing changes
+the held tensors in between, which ``bench/gpu_counts.py verify --batched`` checks on the 604M
+model's ``TransformerLayer`` stack. :func:`batched_vs_at_once` checks it inside any run, here the
+heal bench's nanoGPT model of ``te.Linear`` modules (``bench/gpu_heal.py --check-batch``): while it
+is open, every operand a ``CountBatch`` takes is also counted at once into a row of its own, and
+held a second time by a shadow batch that launches exactly when the real one does, into another
+row; the run's own counts are untouched. At the end each operand's two rows must be equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def batched_vs_at_once(limit: int = 20) -> Iterator[dict[str, Any]]:
+    """Yields the report, filled in when the block ends: operands compared, how many differ, per
+    TE tensor the operands, differing ones and summed counts both ways, and up to ``limit``
+    examples."""
+    import torch
+
+    from fp8guard.agent.kernels import count_cast_into
+    from fp8guard.agent.kernels.count_batch import CountBatch
+    from fp8guard.agent.sources import te_counts
+
+    report: dict[str, Any] = {}
+    pairs: list[tuple[str, int | None, torch.Tensor, torch.Tensor]] = []
+    shadows: dict[int, CountBatch] = {}
+    current: dict[str, Any] = {"name": "?", "step": None}
+    orig_inspect, orig_add = te_counts.InspectCounts.inspect, CountBatch.add
+    orig_flush_group, orig_drop = CountBatch._flush_group, CountBatch.drop
+
+    def inspect(self: Any, layer_name: str, tensor_name: str, *args: Any, **kwargs: Any) -> None:
+        current["name"], current["step"] = f"{layer_name}:{tensor_name}", self.step
+        orig_inspect(self, layer_name, tensor_name, *args, **kwargs)
+
+    def add(self: CountBatch, out: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor,
+            fmt: Any, fp8_bytes: torch.Tensor) -> None:
+        # (the shadow's own adds call the original: this runs for the run's batches alone)
+        shadow = shadows.setdefault(id(self), CountBatch(self.slots, max_held_bytes=self.max_held_bytes))
+        at_once = torch.zeros(2, dtype=torch.int64, device=out.device)
+        held = torch.zeros(2, dtype=torch.int64, device=out.device)
+        count_cast_into(at_once, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
+        orig_add(shadow, held, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
+        pairs.append((current["name"], current["step"], at_once, held))
+        orig_add(self, out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
+
+    def flush_group(self: CountBatch, key: tuple[Any, ...], held: list[Any]) -> None:
+        shadow = shadows.get(id(self))
+        if shadow is not None and shadow._pending.get(key):
+            orig_flush_group(shadow, key, shadow._pending[key])
+        orig_flush_group(self, key, held)
+
+    def drop(self: CountBatch) -> None:
+        shadow = shadows.get(id(self))
+        if shadow is not None:  # never launched: not compared
+            dropped = {id(h.out) for held in shadow._pending.values() for h in held}
+            pairs[:] = [p for p in pairs if id(p[3]) not in dropped]
+            orig_drop(shadow)
+        orig_drop(self)
+
+    patches = {"inspect": (te_counts.InspectCounts, inspect), "add": (CountBatch, add),
+               "_flush_group": (CountBatch, flush_group), "drop": (CountBatch, drop)}
+    saved = {name: getattr(owner, name) for name, (owner, _) in patches.items()}
+    for name, (owner, fn) in patches.items():
+        setattr(owner, name, fn)
+    try:
+        yield report
+    finally:
+        for name, (owner, _) in patches.items():
+            setattr(owner, name, saved[name])
+        for shadow in shadows.values():  # anything still held: launched now, as the real batch's flush would
+            shadow.flush()
+        report.update(_compare(pairs, limit))
+
+
+def _compare(pairs: list[tuple[str, int | None, Any, Any]], limit: int) -> dict[str, Any]:
+    import torch
+
+    if not pairs:
+        return {"operands": 0, "differing": 0, "by_tensor": {}, "examples": []}
+    at_once = torch.stack([p[2] for p in pairs]).cpu().tolist()
+    held = torch.stack([p[3] for p in pairs]).cpu().tolist()
+    by_tensor: dict[str, dict[str, Any]] = {}
+    examples = []
+    differing = 0
+    for (name, step, _, _), a, h in zip(pairs, at_once, held, strict=True):
+        row = by_tensor.setdefault(name, {"operands": 0, "differing": 0, "at_once": [0, 0], "held": [0, 0]})
+        row["operands"] += 1
+        row["at_once"] = [row["at_once"][0] + a[0], row["at_once"][1] + a[1]]
+        row["held"] = [row["held"][0] + h[0], row["held"][1] + h[1]]
+        if a != h:
+            differing += 1
+            row["differing"] += 1
+            if len(examples) < limit:
+                examples.append({"tensor": name, "step": step, "at_once": a, "held": h})
+    return {"operands": len(pairs), "differing": differing, "by_tensor": by_tensor, "examples": examples,
+            "counts": "[overflows, underflows] per operand"}
