@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._host_cost_env import Env, _buffer_state, _stats, _us_since
+from bench._paired import paired_ratios
 from bench._te_model import TEModel
 
 TARGET_RATIO = 1.005
@@ -87,6 +88,8 @@ def ratio(env: Env, a: argparse.Namespace, layers: int, hidden: int, seq: int, b
             f"{key}monitor_ms_per_step": round(ms, 3), f"{key}ratio": round(ms / plain, 5),
             f"{key}paired_ratio_median": round(statistics.median(paired), 5),
             f"{key}paired_ratio_min_max": [round(paired[0], 5), round(paired[-1], 5)],
+            # the rounds' ratios, the median's interval and the verdict against the target
+            f"{key}paired": paired_ratios(per_step[mode], per_step["plain"], TARGET_RATIO),
             f"{key}monitor_block_ms_min_max": [round(min(per_step[mode]), 3), round(max(per_step[mode]), 3)],
             f"{key}monitor_step_host_us_in_loop": _stats(host_us[mode]),
             f"{key}meets_target": ms / plain <= TARGET_RATIO,

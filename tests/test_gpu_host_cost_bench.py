@@ -50,6 +50,9 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     for result in full["ratios"].values():
         assert "error" not in result, result
         assert result["ratio"] > 0 and not result["monitor_broken"]
+        # every round's paired ratio kept, and a verdict only an interval can give
+        assert len(result["paired"]["paired_ratios"]) == result["rounds"]
+        assert result["paired"]["verdict"] in {"met", "not met", "unresolved"}
         # the monitor's default norm, and foreach beside it exactly where the default is the table
         table = result["grad_norm_backend"] == "table"
         assert result["modes"] == ["plain", "monitor"] + (["monitor_foreach"] if table else [])
