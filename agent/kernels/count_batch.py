@@ -65,6 +65,9 @@ class _Held(NamedTuple):
     x: torch.Tensor
     q: torch.Tensor
     scale_inv: torch.Tensor
+    slot: tuple[int, int, int, int, int]
+    """The operand's slot arguments: the four addresses and the element count (read once, at
+    :meth:`CountBatch.add`; the tensors are held, so they cannot move)."""
 
 
 class CountBatch:
@@ -101,14 +104,15 @@ class CountBatch:
         """Count the cast ``x -> fp8_bytes`` into ``out`` at the group's next launch (at once when
         the operand cannot be batched). ``scale`` serves only a launch of its own: the FP8-bytes
         test reads no scale."""
-        if not self._batchable(x, fp8_bytes) or scale_inv.dtype != torch.float32:
+        slot = self._slot(out, x, fp8_bytes, scale_inv)
+        if slot is None:
             self.alone += 1
             counts.count_cast_into(out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
             return
         index = x.get_device()  # (-1 off CUDA; an integer: cheaper than x.device per operand)
         key = (fmt, x.dtype, index, _stream_lookup()() if index >= 0 else None)
         held = self._pending.setdefault(key, [])
-        held.append(_Held(out, x, fp8_bytes, scale_inv))
+        held.append(_Held(out, x, fp8_bytes, scale_inv, slot))
         if self.max_held_bytes is not None:
             size = self._held_bytes[key] = self._held_bytes.get(key, 0) + x.numel() * (x.element_size() + 1)
             if size >= self.max_held_bytes:
@@ -130,13 +134,20 @@ class CountBatch:
         self._held_bytes.clear()
 
     @staticmethod
-    def _batchable(x: torch.Tensor, q: torch.Tensor) -> bool:
-        """What the batched kernel's compiled code assumes (checked cheapest first: per operand)."""
+    def _slot(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor,
+              scale_inv: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+        """The operand's slot arguments if it holds to what the batched kernel's compiled code
+        assumes, else None (checked cheapest first, each value read once: this runs per operand)."""
         n = x.numel()
-        return (0 < n <= counts.MAX_KERNEL_ELEMENTS and not n % 16 and q.numel() == n and not x.data_ptr() % 16
-                and not q.data_ptr() % 16 and x.dtype in counts._HP_KIND and q.element_size() == 1
-                and x.is_contiguous() and q.is_contiguous() and counts.BYTES_IN_WORDS
-                and (x.is_cuda or triton_available(x.device)) and counts._batch_kernel() is not None)
+        if not (0 < n <= counts.MAX_KERNEL_ELEMENTS and not n % 16 and q.numel() == n):
+            return None
+        xp, qp = x.data_ptr(), q.data_ptr()
+        if (xp % 16 or qp % 16 or x.dtype not in counts._HP_KIND or q.element_size() != 1
+                or scale_inv.dtype != torch.float32 or not x.is_contiguous() or not q.is_contiguous()
+                or not counts.BYTES_IN_WORDS or not (x.is_cuda or triton_available(x.device))
+                or counts._batch_kernel() is None):
+            return None
+        return xp, qp, scale_inv.data_ptr(), out.data_ptr(), n
 
     def _flush_group(self, key: tuple[Any, ...], held: list[_Held]) -> None:
         fmt, dtype, index, stream = key
@@ -147,15 +158,14 @@ class CountBatch:
         rows, cols, per_sm, warps = counts.COUNT_SHAPES["bytes"]
         tile = rows * cols
         # one loop length for every slot: as a launch of all their elements would have it
-        _, iters = launch_shape(sum(op.x.numel() for op in ops), device, tile, per_sm=per_sm)
+        _, iters = launch_shape(sum(op.slot[4] for op in ops), device, tile, per_sm=per_sm)
         slot_args: list[int] = []
         firsts: list[int] = []
         grid = 0
         for op in ops:
-            n = op.x.numel()
-            slot_args += (op.x.data_ptr(), op.q.data_ptr(), op.scale_inv.data_ptr(), op.out.data_ptr(), n)
+            slot_args += op.slot
             firsts.append(grid)
-            grid += -(-n // (tile * iters))
+            grid += -(-op.slot[4] // (tile * iters))
         # unused slots repeat slot 0 and start past the grid: no program selects them
         slot_args += slot_args[:5] * (BATCH_SLOTS - len(ops))
         firsts += [_UNUSED_FIRST] * (BATCH_SLOTS - len(ops))
