@@ -12,6 +12,7 @@ row; the run's own counts are untouched. At the end each operand's two rows must
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,9 +20,10 @@ from typing import Any
 
 @contextmanager
 def batched_vs_at_once(limit: int = 20) -> Iterator[dict[str, Any]]:
-    """Yields the report, filled in when the block ends: operands compared, how many differ, per
-    TE tensor the operands, differing ones and summed counts both ways, and up to ``limit``
-    examples."""
+    """Yields the report, filled in when the block ends: operands compared (those a batch held),
+    how many differ, per TE tensor the operands, differing ones and summed counts both ways, up to
+    ``limit`` examples, and ``alone``: operands the batch counted at once itself (nothing held).
+    A block that raises compares nothing (``aborted``); the patches are undone either way."""
     import torch
 
     from fp8guard.agent.kernels import count_cast_into
@@ -30,7 +32,8 @@ def batched_vs_at_once(limit: int = 20) -> Iterator[dict[str, Any]]:
 
     report: dict[str, Any] = {}
     pairs: list[tuple[str, int | None, torch.Tensor, torch.Tensor]] = []
-    shadows: dict[int, CountBatch] = {}
+    shadows: weakref.WeakKeyDictionary[CountBatch, CountBatch] = weakref.WeakKeyDictionary()
+    alone = [0]  # operands the batch counted at once itself (not batchable): nothing held to compare
     current: dict[str, Any] = {"name": "?", "step": None}
     orig_inspect, orig_add = te_counts.InspectCounts.inspect, CountBatch.add
     orig_flush_group, orig_drop = CountBatch._flush_group, CountBatch.drop
@@ -42,22 +45,28 @@ def batched_vs_at_once(limit: int = 20) -> Iterator[dict[str, Any]]:
     def add(self: CountBatch, out: torch.Tensor, x: torch.Tensor, *, scale: torch.Tensor, scale_inv: torch.Tensor,
             fmt: Any, fp8_bytes: torch.Tensor) -> None:
         # (the shadow's own adds call the original: this runs for the run's batches alone)
-        shadow = shadows.setdefault(id(self), CountBatch(self.slots, max_held_bytes=self.max_held_bytes))
+        shadow = shadows.get(self)
+        if shadow is None:
+            shadow = shadows[self] = CountBatch(self.slots, max_held_bytes=self.max_held_bytes)
         at_once = torch.zeros(2, dtype=torch.int64, device=out.device)
         held = torch.zeros(2, dtype=torch.int64, device=out.device)
         count_cast_into(at_once, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
+        before = shadow.alone
         orig_add(shadow, held, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
-        pairs.append((current["name"], current["step"], at_once, held))
+        if shadow.alone == before:
+            pairs.append((current["name"], current["step"], at_once, held))
+        else:
+            alone[0] += 1
         orig_add(self, out, x, scale=scale, scale_inv=scale_inv, fmt=fmt, fp8_bytes=fp8_bytes)
 
     def flush_group(self: CountBatch, key: tuple[Any, ...], held: list[Any]) -> None:
-        shadow = shadows.get(id(self))
+        shadow = shadows.get(self)
         if shadow is not None and shadow._pending.get(key):
             orig_flush_group(shadow, key, shadow._pending[key])
         orig_flush_group(self, key, held)
 
     def drop(self: CountBatch) -> None:
-        shadow = shadows.get(id(self))
+        shadow = shadows.get(self)
         if shadow is not None:  # never launched: not compared
             dropped = {id(h.out) for held in shadow._pending.values() for h in held}
             pairs[:] = [p for p in pairs if id(p[3]) not in dropped]
@@ -71,12 +80,18 @@ def batched_vs_at_once(limit: int = 20) -> Iterator[dict[str, Any]]:
         setattr(owner, name, fn)
     try:
         yield report
+    except BaseException:
+        # The run failed: what its batch held may never have launched, so nothing is compared.
+        report.update({"operands": len(pairs), "differing": None, "aborted": True})
+        raise
+    else:
+        # Anything the shadows still hold is launched now, as the run's batch's next flush would.
+        for shadow in shadows.values():
+            shadow.flush()
+        report.update(_compare(pairs, limit), alone=alone[0])
     finally:
         for name, (owner, _) in patches.items():
             setattr(owner, name, saved[name])
-        for shadow in shadows.values():  # anything still held: launched now, as the real batch's flush would
-            shadow.flush()
-        report.update(_compare(pairs, limit))
 
 
 def _compare(pairs: list[tuple[str, int | None, Any, Any]], limit: int) -> dict[str, Any]:

@@ -60,10 +60,7 @@ class _Modes:
         # TE's own routing keys for nvdlfw-inspect in one mode, fp8guard's in the others
         self.te_inspect.cache_routes_across_iterations(mode != "counts_every_step_te_routes")
         self.monitor.config.count_stagger = mode.startswith("counts_every_10_staggered")
-        self.monitor.set_count_interval({"agent_no_counts": 0, "counts_every_10": 10, "counts_every_10_staggered": 10,
-                                         "counts_every_step": 1, "counts_every_step_te_routes": 1,
-                                         "debug_path_only": 1, "counts_every_step_batched": 1,
-                                         "counts_every_10_staggered_batched": 10}[mode])
+        self.monitor.set_count_interval(MODE_INTERVAL[mode])
 
     def step(self) -> None:
         self.m.step(None if self.mode == "plain" else self.monitor)
@@ -75,6 +72,11 @@ class _Modes:
             counter.use_batch(None)
         self.te_inspect.cache_routes_across_iterations(True)
 
+
+MODE_INTERVAL = {"agent_no_counts": 0, "counts_every_10": 10, "counts_every_10_staggered": 10,
+                 "counts_every_step": 1, "counts_every_step_te_routes": 1, "debug_path_only": 1,
+                 "counts_every_step_batched": 1, "counts_every_10_staggered_batched": 10}
+"""Each monitored mode's count interval (``plain`` runs no monitor); staggered: the modes named so."""
 
 _TIME_MODES = ("plain", "agent_no_counts", "counts_every_10", "counts_every_10_staggered", "counts_every_step",
                "debug_path_only", "counts_every_step_te_routes", "counts_every_step_batched",

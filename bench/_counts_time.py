@@ -63,6 +63,10 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.synchronize()
     per_step: dict[str, list[float]] = {k: [] for k in modes}
     host: dict[str, list[float]] = {k: [] for k in modes}
+    # operands each timed block counted (the feature's host tally): a steady block of a staggered
+    # mode counts every operand once, of every step's mode ten times that
+    counter = getattr(src, "_inspect", None)
+    counted: dict[str, list[int]] = {k: [] for k in modes}
     t_start = time.perf_counter()
     for r in range(args.rounds):
         for mode in _round_order(modes, r):
@@ -70,6 +74,7 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(settle_steps(mode, args.settle)):
                 m.step(None if mode == "plain" else monitor)
             torch.cuda.synchronize()
+            calls = counter.calls if counter is not None else 0
             t0 = time.perf_counter()
             for _ in range(args.block):
                 h0 = time.perf_counter()
@@ -77,6 +82,7 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
                 host[mode].append((time.perf_counter() - h0) * 1e3)
             torch.cuda.synchronize()
             per_step[mode].append((time.perf_counter() - t0) / args.block * 1e3)
+            counted[mode].append((counter.calls - calls) if counter is not None else 0)
     timed_s = time.perf_counter() - t_start
     modes_.restore()
     med = {k: statistics.median(v) for k, v in per_step.items()}
@@ -127,6 +133,7 @@ def time_modes(args: argparse.Namespace) -> dict[str, Any]:
         if "agent_no_counts" in med else None,
         "host_ms_per_step_median": {k: round(statistics.median(v), 2) for k, v in host.items()},
         "block_ms_min_max": {k: [round(min(v), 3), round(max(v), 3)] for k, v in per_step.items()},
+        "operands_counted_per_block": counted,
         "targets": {k: target_ratio(k) for k in per_step if target_ratio(k) is not None},
         # each round's block over the same round's plain block: median, its interval, the verdict
         "paired_vs_plain": {k: paired_ratios(v, per_step["plain"], target_ratio(k))

@@ -8,9 +8,9 @@ resolved. The interval here says it: the median's confidence interval from order
 number of rounds below the true median is Binomial(n, 1/2) whatever the distribution), so a target
 is **met** when the whole interval lies at or under it, **not met** when the whole interval lies
 over it, and **unresolved** otherwise: more rounds or a quieter host would tell. It assumes the
-rounds' ratios are independent draws, which pairing each block with its neighbouring baseline block
-approaches (slow drifts of the host cancel within a pair); it does not hold for a drift within one
-pair.
+rounds' ratios are independent draws, which pairing each block with the baseline block of the same
+round approaches (a drift of the host slower than a round cancels within the pair; the blocks of a
+round are at most a few blocks apart); it does not hold for a drift within one round.
 """
 
 from __future__ import annotations
@@ -56,17 +56,14 @@ def paired_ratios(mode_ms: Sequence[float], base_ms: Sequence[float], target: fl
     """Per-round ratios of a mode's block time to its baseline's (same round), their median, its
     interval and, with a target ratio, the verdict."""
     ratios = [m / b for m, b in zip(mode_ms, base_ms, strict=True)]
-    out: dict[str, Any] = {"paired_ratios": [round(r, 5) for r in ratios]}
-    if not ratios:
-        return out
-    out["paired_ratio_median"] = round(statistics.median(ratios), 5)
+    out: dict[str, Any] = {"paired_ratios": [round(r, 5) for r in ratios], "paired_ratio_median": None,
+                           "paired_ratio_interval": None, "target": target, "verdict": None}
+    if ratios:
+        out["paired_ratio_median"] = round(statistics.median(ratios), 5)
     interval = median_interval(ratios, confidence)
-    if interval is None:
-        out["paired_ratio_interval"] = None
-        out["verdict"] = "unresolved" if target is not None else None
-        return out
-    low, high, coverage = interval
-    out["paired_ratio_interval"] = {"low": round(low, 5), "high": round(high, 5), "coverage": round(coverage, 4)}
-    if target is not None:
-        out["verdict"] = verdict(low, high, target)
+    if interval is not None:
+        low, high, coverage = interval
+        out["paired_ratio_interval"] = {"low": round(low, 5), "high": round(high, 5), "coverage": round(coverage, 4)}
+    if target is not None:  # too few rounds for an interval: unresolved
+        out["verdict"] = verdict(interval[0], interval[1], target) if interval is not None else "unresolved"
     return out

@@ -357,12 +357,16 @@ def main() -> None:
                  "history", "harm_interval", "count_interval", "count_stagger", "operands_per_launch"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
+    if args.check_batch and cfg.backend != "te":
+        parser.error("--check-batch checks TE's batched counting: it needs --backend te")
     if cfg.backend == "te":  # read by the TE source when a monitor attaches; recorded as it ran
         from fp8guard.agent.kernels import count_batch
 
         if cfg.operands_per_launch is not None:
             count_batch.OPERANDS_PER_LAUNCH = cfg.operands_per_launch
         cfg.operands_per_launch = count_batch.OPERANDS_PER_LAUNCH
+        if args.check_batch and cfg.operands_per_launch < 2:
+            parser.error("--check-batch compares batched counts: it needs --operands-per-launch of 2 or more")
     if cfg.backend == "te":
         from bench._te_model import require_te
 
@@ -455,6 +459,8 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_heal.json").write_text(line + "\n")
+    if any(r["batch_check"]["differing"] != 0 for r in runs.values() if "batch_check" in r):
+        sys.exit("gpu_heal: --check-batch: batched counts differ from counts taken at once (see batch_check)")
 
 
 def same_as(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20, help="timed monitor.step calls per depth, in the loop")
     p.add_argument("--idle-steps", type=int, default=10, help="timed monitor.step calls per depth, GPU idle")
-    p.add_argument("--rounds", type=int, default=12, help="ratio rounds (one block per mode each)")
+    p.add_argument("--rounds", type=int, default=12, help="ratio rounds (one block per mode each; a verdict "
+                   "against 1.005x needs 6 at least, and the interval narrows with more: 16-20)")
+    p.add_argument("--ratio-models", default="604M_12x2048,48x1024",
+                   help="which models the ratios part runs (604M_12x2048, 48x1024): one alone fits more rounds")
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--gc-between-blocks", action="store_true",
                    help="ratios: Python's cyclic GC off inside timed blocks, a full collection between them "
@@ -73,6 +76,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no new part after this long; ratio rounds stop 40 s later (at least 4 rounds)")
     a = p.parse_args()
+    unknown = set(a.ratio_models.split(",")) - {"604M_12x2048", "48x1024"}
+    if unknown:
+        p.error(f"--ratio-models: unknown {sorted(unknown)}; choose from 604M_12x2048, 48x1024")
     a.deadline = time.perf_counter() + a.budget_s + 40.0
     if a.smoke:
         a.layers, a.hidden, a.seq, a.batch = "2,4,8", 32, 8, 2
@@ -122,6 +128,8 @@ def main() -> None:
         small, large = (2, 32, 8, 2), (4, 32, 8, 2)
         models = {"604M_12x2048": (12, 2048, 2048, 8), "48x1024": (48, 1024, 1024, 8)} if not a.smoke else \
             {"smoke_2x32": small, "smoke_4x32": large}
+        if not a.smoke:
+            models = {k: v for k, v in models.items() if k in a.ratio_models.split(",")}
         ratios: dict[str, Any] = {}
         for name, shape in (models.items() if "ratios" in parts else ()):
             with _part(ratios, name, started, a.budget_s, env.free) as put:
@@ -138,6 +146,7 @@ def main() -> None:
                                                   for k, v in result["sweep"].items()},
                "ratios": {k: v.get("ratio", v.get("error") or v.get("skipped")) for k, v in result["ratios"].items()},
                "foreach_ratios": {k: v.get("foreach_ratio") for k, v in result["ratios"].items()},
+               "verdicts": {k: v.get("paired", {}).get("verdict") for k, v in result["ratios"].items()},
                "ratios_vs_set_to_none_loop": {k: v.get("ratio_vs_set_to_none_loop") for k, v in result["ratios"].items()},
                "seconds": result["seconds"]}
     if a.out:

@@ -44,4 +44,21 @@ def test_paired_ratios_pair_each_round_with_its_own_baseline() -> None:
     assert slow["verdict"] == "not met"
     noisy = paired_ratios([b * rng.uniform(0.97, 1.04) for b in base], base, 1.005)
     assert noisy["verdict"] == "unresolved" and len(noisy["paired_ratios"]) == 16
-    assert "verdict" not in paired_ratios(base, base)  # no target: no verdict
+    assert paired_ratios(base, base)["verdict"] is None  # no target: no verdict
+
+
+def test_odd_rounds_and_the_verdict_s_boundaries() -> None:
+    low, high, _ = median_interval([5.0, 1.0, 4.0, 2.0, 3.0, 7.0, 6.0, 9.0, 8.0])  # type: ignore[misc]
+    assert (low, high) == (2.0, 8.0)  # n = 9: k = 2, coverage 1 - 2 * 10 / 512
+    assert verdict(0.99, 1.005, 1.005) == "met"  # at the target counts as met
+    assert verdict(1.005, 1.01, 1.005) == "unresolved"  # only wholly over it is not met
+
+
+def test_the_time_bench_settles_every_staggered_mode_and_knows_each_target() -> None:
+    from bench._counts_time import settle_steps, target_ratio
+
+    for mode in ("counts_every_10_staggered", "counts_every_10_staggered_batched"):
+        assert settle_steps(mode, 2) == 10 and settle_steps(mode, 12) == 12
+    assert settle_steps("counts_every_step_batched", 2) == 2
+    assert target_ratio("counts_every_step_batched") == 1.15 and target_ratio("counts_every_10_staggered_batched") == 1.01
+    assert target_ratio("agent_no_counts") == 1.005 and target_ratio("debug_path_only") is None

@@ -177,3 +177,19 @@ def test_count_kernel_compiles_for_the_h200_without_spills() -> None:
     read = {v["iters"]: v for v in rows if v["variant"] == "stream_read"}
     assert all(v["sass_global_loads_16_bytes"] == v["sass_global_loads"] == 2 * iters for iters, v in read.items()), read
     assert all(v["sass_barriers"] > 0 and v["sass_instructions"] > 0 for v in rows), rows
+
+
+def test_every_timed_block_of_a_staggered_mode_counts_at_every_step() -> None:
+    """``bench/gpu_counts.py time``'s schedule replayed with the monitor's own schedule code
+    (bench/stagger_replay.py): every staggered mode, batched or not, settles through a whole
+    window after a switch, so no timed step counts nothing; the rule before the fifteenth session
+    left some of the batched mode's timed steps uncounted (12 of 200 in that session's run)."""
+    from bench.stagger_replay import replay
+
+    modes = ["agent_no_counts", "counts_every_10_staggered", "counts_every_10_staggered_batched",
+             "counts_every_step", "debug_path_only"]
+    now = replay(modes, 10)
+    assert set(now) == {"counts_every_10_staggered", "counts_every_10_staggered_batched"}
+    assert all(len(v) == 10 and not any(v) for v in now.values())
+    before = replay(modes[:3], 20, before_fix=True)
+    assert sum(before["counts_every_10_staggered_batched"]) == 12 and not any(before["counts_every_10_staggered"])

@@ -315,6 +315,39 @@ _CHECKED = textwrap.dedent("""
         counter.drop()  # held, never launched: not compared
     reports.append(changed)
     reports.append(counter.counts.tolist())
+    # Three slots, a byte bound of two large operands and two formats: the E4M3 group of large
+    # operands launches at the bound (after 2), the E5M2 group of small ones when its slots fill
+    # (after 3), and both at the flush. The shadow must launch at each of those moments, no later
+    # (a tensor changed just after a launch would differ) and no earlier (one changed while the
+    # run's batch still holds it would not).
+    big = torch.tensor([100.0, 1e-9, 1.0, -100.0] * 16)
+    e5 = SimpleNamespace(_data=quantize(vals, scale[0], Fp8Format.E5M2).view(torch.uint8),
+                         _scale_inv=torch.reciprocal(scale), _fp8_dtype="E5M2")
+    small = CountBatch(3, max_held_bytes=2 * big.numel() * 5)
+    counter.use_batch(small)
+    with batched_vs_at_once() as groups:
+        for i in range(5):
+            x = big.clone()
+            counter.inspect("l0", "activation", x, cast(x), SimpleNamespace(), 0)
+            y = vals.clone()
+            counter.inspect("l1", "activation", y, e5, SimpleNamespace(), 0)
+            if i == 1:
+                x.zero_()  # launched already (the bound): a shadow that kept it would differ
+            if i == 2:
+                y.zero_()  # launched already (the slots filled): likewise
+            if i == 3:
+                y.zero_()  # held in the E5M2 group (launched at 3, then at the flush): changed before its launch
+        counter.flush()
+    reports.append([groups, small.launches])
+    # a block that raises compares nothing and leaves CountBatch as it was
+    real_add = CountBatch.add
+    try:
+        with batched_vs_at_once() as failed:
+            counter.inspect("l0", "activation", vals, cast(vals), SimpleNamespace(), 0)
+            raise RuntimeError("the run failed")
+    except RuntimeError:
+        pass
+    reports.append([failed, CountBatch.add is real_add])
     print(json.dumps(reports))
 """)
 
@@ -324,13 +357,17 @@ def test_the_batch_check_finds_a_held_tensor_changed_before_its_launch() -> None
     counted at once and again at the batch's launch; unchanged tensors agree, a held tensor
     written between its hand-over and its launch shows as a difference, and a dropped operand is
     not compared. The run's own counts are those of the batch alone."""
-    clean, changed, counts = run_interpreted(_CHECKED, timeout=300)
+    clean, changed, counts, (groups, launches), (failed, restored) = run_interpreted(_CHECKED, timeout=300)
     assert clean["operands"] == 1 and clean["differing"] == 0
     assert clean["by_tensor"]["l0:activation"]["held"] == [8, 4]
     assert changed["operands"] == 2 and changed["differing"] == 1
     example, = changed["examples"]
     assert example["tensor"] == "l1:activation" and example["at_once"] == [8, 4] and example["held"] != [8, 4]
     assert counts[0] == [16, 8] and counts[1] == example["held"]
+    # two groups, launches at the bound, the slots and the flush: exactly the one changed while held differs
+    assert groups["operands"] == 10 and groups["differing"] == 1 and groups["alone"] == 0
+    assert groups["examples"][0]["tensor"] == "l1:activation" and launches == 5
+    assert failed["aborted"] is True and failed["differing"] is None and restored
 
 
 def _cuda_and_triton() -> bool:
