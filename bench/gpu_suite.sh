@@ -7,6 +7,8 @@
 #   bash bench/gpu_suite.sh overhead   # every-step telemetry overhead and sync check
 #   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
 #   bash bench/gpu_suite.sh host-cost-keep  # the same with MonitorConfig(grad_buffer=True), set_to_none=False
+#   bash bench/gpu_suite.sh host-cost-48  # the 48-layer ratio alone, 20 rounds: its verdict against 1.005x
+#   bash bench/gpu_suite.sh counts-time-ten  # every 10th step, staggered, one launch each and batched
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
 #   bash bench/gpu_suite.sh heal-1e4   # the 1e4 outlier ($HEAL_1E4_ARGS passed on, e.g. --noise:
 #                                      # the unguarded run twice, run-to-run noise; --deterministic)
@@ -91,6 +93,14 @@ for what in "$@"; do
       fi ;;
     counts-time)
       part counts_time 240 python3 bench/gpu_counts.py time --out "$OUT" ;;
+    counts-time-ten)
+      # counting every 10th step only, staggered, one launch each and batched, 20 rounds (~3.5 min)
+      part counts_time_ten 260 python3 bench/gpu_counts.py time --modes \
+        agent_no_counts,counts_every_10_staggered,counts_every_10_staggered_batched --rounds 20 --out "$OUT" ;;
+    host-cost-48)
+      # the 48-layer model's ratio alone, 20 rounds, with its interval and verdict (~5 min)
+      part host_cost_48 500 python3 bench/gpu_host_cost.py --parts ratios --ratio-models 48x1024 --rounds 20 \
+        --gc-between-blocks --budget-s 420 --out "$OUT/gpu_host_cost.ratios48.json" ;;
     torchao|torchao-tests|torchao-overhead)
       # The GPU image has no torchao: the wheel is carried in .whl/ (--no-deps: it needs only torch).
       if ! python3 -c "import torchao.float8" 2>/dev/null; then
