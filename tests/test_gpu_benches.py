@@ -193,3 +193,19 @@ def test_every_timed_block_of_a_staggered_mode_counts_at_every_step() -> None:
     assert all(len(v) == 10 and not any(v) for v in now.values())
     before = replay(modes[:3], 20, before_fix=True)
     assert sum(before["counts_every_10_staggered_batched"]) == 12 and not any(before["counts_every_10_staggered"])
+
+
+def test_the_batch_host_bench_times_the_batched_path_and_says_when_it_cannot() -> None:
+    """bench/count_batch_host.py: under Triton's interpreter every operand is held and launched eight
+    a launch (the launch stubbed); outside it the batch takes no CPU tensor, and the bench says so."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "bench/count_batch_host.py", "--operands", "16", "--passes", "5"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["batched"] is True and out["launches_per_pass"] == 2 and out["host_us_per_operand_median"] > 0
+    env.pop("TRITON_INTERPRET")
+    proc = subprocess.run([sys.executable, "bench/count_batch_host.py", "--operands", "16", "--passes", "5"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0 and "skipped" in json.loads(proc.stdout.strip().splitlines()[-1])
