@@ -96,7 +96,7 @@ for what in "$@"; do
     counts-time-ten)
       # counting every 10th step only, staggered, one launch each and batched, 20 rounds (~3.5 min)
       part counts_time_ten 260 python3 bench/gpu_counts.py time --modes \
-        agent_no_counts,counts_every_10_staggered,counts_every_10_staggered_batched --rounds 20 --out "$OUT" ;;
+        agent_no_counts,counts_every_10_staggered,counts_every_10_staggered_batched --rounds 20 --tag .ten --out "$OUT" ;;
     host-cost-48)
       # the 48-layer model's ratio alone, 20 rounds, with its interval and verdict (~5 min)
       part host_cost_48 500 python3 bench/gpu_host_cost.py --parts ratios --ratio-models 48x1024 --rounds 20 \

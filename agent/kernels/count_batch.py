@@ -67,7 +67,9 @@ class _Held(NamedTuple):
     scale_inv: torch.Tensor
     slot: tuple[int, int, int, int, int]
     """The operand's slot arguments: the four addresses and the element count (read once, at
-    :meth:`CountBatch.add`; the tensors are held, so they cannot move)."""
+    :meth:`CountBatch.add`; the tensors are held, so the allocator cannot free or move them. An
+    in-place storage resize could, as FSDP2 frees a gathered weight: the caller launches before
+    that, see ``InspectCounts.sync_hooks``)."""
 
 
 class CountBatch:

@@ -149,7 +149,11 @@ class InspectCounts:
             self._module_hooks.pop(i).remove()
         for i in keep:
             if i not in self._module_hooks:
-                self._module_hooks[i] = self.modules[i].register_forward_hook(self._module_done, always_call=True)
+                # first among the module's forward hooks: FSDP2 frees a gathered weight's storage
+                # in place (resize to 0) in a forward hook registered when the model was wrapped,
+                # which holding a reference does not stop; the batch must count it before that
+                self._module_hooks[i] = self.modules[i].register_forward_hook(self._module_done, always_call=True,
+                                                                               prepend=True)
 
     def _module_done(self, module: Any, args: Any, output: Any) -> None:
         if self.batch is not None and len(self.batch):

@@ -236,6 +236,12 @@ _FLUSH_POINTS = textwrap.dedent("""
 
     vals = torch.tensor([100.0, 1e-9, 1.0, -100.0] * 4)
     module = Module(True)
+    # a forward hook the model had before fp8guard came (FSDP2's, which frees a gathered weight's
+    # storage in place): it must find the module's casts counted already
+    def earlier_hook(m, a, o):
+        seen.setdefault("held_at_an_earlier_hook", len(counter.batch))
+
+    module.register_forward_hook(earlier_hook)
     counter.modules = [module]
     counter.use_batch(CountBatch(8))
     x = vals.clone().requires_grad_(True)
@@ -266,17 +272,18 @@ _FLUSH_POINTS = textwrap.dedent("""
 
 def test_held_casts_are_counted_at_their_module_s_forward_end_and_at_the_backward_end() -> None:
     """With a batch, a module's forward casts (an activation, a weight) are held while its forward
-    runs and counted at its end (a forward hook), so an optimizer step after a backward that hands
-    over no gradient cannot change a held weight; gradients are counted when the backward ends; a
+    runs and counted at its end (a forward hook, ahead of the module's other forward hooks), so an
+    optimizer step after a backward that hands over no gradient cannot change a held weight; gradients are counted when the backward ends; a
     dropped window counts nothing; releasing the batch removes the hooks."""
     seen = run_interpreted(_FLUSH_POINTS, timeout=300)
     activation = [8, 4]  # the threshold is 448 / 112 = 4: 100 and -100 overflow, 1e-9 underflows
     assert seen["held_in_forward"] == 2 and seen["held_in_backward"] == 1
+    assert seen["held_at_an_earlier_hook"] == 0  # the flush runs first among the module's forward hooks
     held, rows = seen["after_backward"]
     assert held == 0 and rows[0] == activation and rows[1][0] > 0 and rows[2] == [0, 16]
     assert seen["forward_only_then_step"] == [activation, rows[1], [0, 0]]  # the weight as it was
     assert seen["held_outside_a_module"] == 1 and seen["after_drop"] == [[0, 0]] * 3
-    assert seen["launches"] == 3 and seen["hooks_after_release"] == 0
+    assert seen["launches"] == 3 and seen["hooks_after_release"] == 1  # the model's own hook alone
 
 
 
@@ -337,17 +344,24 @@ _CHECKED = textwrap.dedent("""
                 y.zero_()  # launched already (the slots filled): likewise
             if i == 3:
                 y.zero_()  # held in the E5M2 group (launched at 3, then at the flush): changed before its launch
+        z = torch.tensor([100.0, 1e-9] * 4)  # 8 elements: not batchable, counted at once by the batch itself
+        counter.inspect("l0", "activation", z, cast(z), SimpleNamespace(), 0)
         counter.flush()
     reports.append([groups, small.launches])
+    with batched_vs_at_once() as unlaunched:  # held when the block ends: the run never launched it inside
+        counter.inspect("l0", "activation", vals, cast(vals), SimpleNamespace(), 0)
+    counter.drop()
+    reports.append(unlaunched)
     # a block that raises compares nothing and leaves CountBatch as it was
-    real_add = CountBatch.add
+    originals = [te_counts.InspectCounts.inspect, CountBatch.add, CountBatch._flush_group, CountBatch.drop]
     try:
         with batched_vs_at_once() as failed:
             counter.inspect("l0", "activation", vals, cast(vals), SimpleNamespace(), 0)
             raise RuntimeError("the run failed")
     except RuntimeError:
         pass
-    reports.append([failed, CountBatch.add is real_add])
+    now = [te_counts.InspectCounts.inspect, CountBatch.add, CountBatch._flush_group, CountBatch.drop]
+    reports.append([failed, all(a is b for a, b in zip(now, originals))])
     print(json.dumps(reports))
 """)
 
@@ -357,7 +371,7 @@ def test_the_batch_check_finds_a_held_tensor_changed_before_its_launch() -> None
     counted at once and again at the batch's launch; unchanged tensors agree, a held tensor
     written between its hand-over and its launch shows as a difference, and a dropped operand is
     not compared. The run's own counts are those of the batch alone."""
-    clean, changed, counts, (groups, launches), (failed, restored) = run_interpreted(_CHECKED, timeout=300)
+    clean, changed, counts, (groups, launches), unlaunched, (failed, restored) = run_interpreted(_CHECKED, timeout=300)
     assert clean["operands"] == 1 and clean["differing"] == 0
     assert clean["by_tensor"]["l0:activation"]["held"] == [8, 4]
     assert changed["operands"] == 2 and changed["differing"] == 1
@@ -365,7 +379,8 @@ def test_the_batch_check_finds_a_held_tensor_changed_before_its_launch() -> None
     assert example["tensor"] == "l1:activation" and example["at_once"] == [8, 4] and example["held"] != [8, 4]
     assert counts[0] == [16, 8] and counts[1] == example["held"]
     # two groups, launches at the bound, the slots and the flush: exactly the one changed while held differs
-    assert groups["operands"] == 10 and groups["differing"] == 1 and groups["alone"] == 0
+    assert groups["operands"] == 10 and groups["differing"] == 1 and groups["alone"] == 1
+    assert unlaunched["operands"] == 0 and unlaunched["still_held"] == 1
     assert groups["examples"][0]["tensor"] == "l1:activation" and launches == 5
     assert failed["aborted"] is True and failed["differing"] is None and restored
 
