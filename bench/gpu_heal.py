@@ -450,7 +450,8 @@ def main() -> None:
         "noise": same_as(runs["fp8_unguarded_again"], runs["fp8_unguarded"])
         if "fp8_unguarded_again" in runs and "fp8_unguarded" in runs else None,
         "deterministic": args.deterministic,
-        "batch_check": {m: {k: r["batch_check"][k] for k in ("operands", "differing")}
+        "batch_check": {m: {k: r["batch_check"].get(k) for k in ("operands", "differing", "alone", "still_held",
+                                                                  "launch_failed", "aborted")}
                         for m, r in runs.items() if "batch_check" in r} or None,
         "runs": runs, "seconds": round(time.perf_counter() - started, 1),
     }
