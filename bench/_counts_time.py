@@ -22,16 +22,16 @@ import time
 from typing import Any
 
 from bench._counts_modes import _TIME_MODES, _Modes, _round_order
-from bench._paired import paired_ratios
+from bench._paired import COUNTS_EVERY_10, COUNTS_EVERY_STEP, MONITOR, paired_ratios
 
 
 def target_ratio(mode: str) -> float | None:
     """The issue's target for a mode's step time over plain FP8 (None: a mode for diagnosis)."""
     if mode.startswith("counts_every_step"):
-        return 1.15
+        return COUNTS_EVERY_STEP
     if mode.startswith("counts_every_10"):
-        return 1.01
-    return 1.005 if mode == "agent_no_counts" else None
+        return COUNTS_EVERY_10
+    return MONITOR if mode == "agent_no_counts" else None
 
 
 def settle_steps(mode: str, settle: int) -> int:

@@ -20,7 +20,14 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["median_interval", "paired_ratios", "verdict"]
+__all__ = ["COUNTS_EVERY_10", "COUNTS_EVERY_STEP", "MONITOR", "median_interval", "paired_ratios", "verdict"]
+
+MONITOR = 1.005
+"""#14's target for the monitor's step over plain FP8 (its own grad norm included)."""
+COUNTS_EVERY_10 = 1.01
+"""#14's target for exact counts every 10th step."""
+COUNTS_EVERY_STEP = 1.15
+"""#14's target for exact counts every step."""
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float] | None:

@@ -137,11 +137,16 @@ class InspectCounts:
         """Forward hooks on exactly the modules whose casts the step about to run counts (with a
         batch; none without): all of them while counting is armed, under staggered counting
         those due at :attr:`step`. Call when the step, the schedule or ``armed`` changes."""
-        due: range | list[int] = range(0)
+        due = range(0)
         if self.batch is not None and self.active:
             if self.staggered and self.step is not None:
-                step = self.step
-                due = [i for i in range(len(self.modules)) if self._due(step, i % self.every)[0]]
+                # the modules whose phase (index mod every) counts at this step, as _due answers
+                # for each: phase == -step mod every, once the first whole window has begun
+                assert self.stagger_from is not None
+                every, step = self.every, self.step
+                phase = -step % every
+                if step + phase >= first_whole_window_end(self.stagger_from, every):
+                    due = range(phase, len(self.modules), every)
             elif self.armed:
                 due = range(len(self.modules))
         keep = set(due)
