@@ -15,7 +15,7 @@ alternating in one process, host microseconds per launch (per operand where one 
 
 Each operand's count row is a view made once before the passes, as the agent's
 ``InspectCounts._row`` makes them (until the fifteenth session every way indexed ``dst[i]`` per
-operand: 0.69 us a view on this project's 2-core CPU machine, spent by no agent path).
+operand: a tensor view made per operand, which no agent path makes).
 
 The differences name each layer's share: fp8guard's Python, Triton's runner, the launch itself.
 ``c_launcher`` calls a Triton-internal entry whose arguments have changed between Triton

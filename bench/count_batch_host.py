@@ -4,7 +4,7 @@ the Python that the batched count path spends per operand, on any machine (no GP
     TRITON_INTERPRET=1 python3 bench/count_batch_host.py
 
 On the CPU the batch takes operands only under Triton's interpreter (``TRITON_INTERPRET=1``), whose
-device check costs about 1.5 us an operand that a CUDA tensor skips (``x.is_cuda``): compare
+device check costs time per operand that a CUDA tensor skips (``x.is_cuda``): compare
 figures from one machine and one setting. The GPU host's own figure, with real launches, is
 ``bench/gpu_counts.py kernels --parts launch_floor`` (``count_batch``).
 """
