@@ -16,7 +16,9 @@ class _Modes:
     every 10th step (all modules at once, or staggered: ``MonitorConfig.count_stagger``), counting
     every step (with fp8guard's routing keys for nvdlfw-inspect, or TE's own; one count launch per
     operand, or eight operands a launch), and TE's debug path alone (counting armed, fp8guard's
-    kernel skipped)."""
+    kernel skipped). fp8guard answers TE's debug questions itself (``te_inspect.answer_directly``)
+    but in the modes ending ``_routed`` and ``counts_every_step_te_routes``, where nvdlfw-inspect
+    routes them."""
 
     def __init__(self, args: argparse.Namespace, bench: str) -> None:
         torch, _ = require_te(bench)
@@ -49,16 +51,17 @@ class _Modes:
 
     def use(self, mode: str) -> None:
         self.mode = mode
-        self.te_counts.count_cast_into = self._skip_kernel if mode == "debug_path_only" else self.real
+        self.te_counts.count_cast_into = self._skip_kernel if mode.startswith("debug_path_only") else self.real
         counter = getattr(self.src, "_inspect", None)
         if counter is not None:  # eight operands a launch (count_batch.CountBatch) in the _batched modes
-            counter.use_batch(self.batch if mode.endswith("_batched") else None)
+            counter.use_batch(self.batch if "_batched" in mode else None)
         if mode == "plain":
             self.state.debug_enabled = False
             return
         self.state.debug_enabled = True
         # TE's own routing keys for nvdlfw-inspect in one mode, fp8guard's in the others
         self.te_inspect.cache_routes_across_iterations(mode != "counts_every_step_te_routes")
+        self.te_inspect.answer_directly(not mode.endswith(("_routed", "_te_routes")))
         self.monitor.config.count_stagger = mode.startswith("counts_every_10_staggered")
         self.monitor.set_count_interval(MODE_INTERVAL[mode])
 
@@ -71,19 +74,25 @@ class _Modes:
         if counter is not None:
             counter.use_batch(None)
         self.te_inspect.cache_routes_across_iterations(True)
+        self.te_inspect.answer_directly(True)
 
 
 MODE_INTERVAL = {"agent_no_counts": 0, "counts_every_10": 10, "counts_every_10_staggered": 10,
                  "counts_every_step": 1, "counts_every_step_te_routes": 1, "debug_path_only": 1,
-                 "counts_every_step_batched": 1, "counts_every_10_staggered_batched": 10}
+                 "counts_every_step_batched": 1, "counts_every_10_staggered_batched": 10,
+                 "counts_every_10_staggered_batched_routed": 10, "counts_every_step_batched_routed": 1,
+                 "debug_path_only_routed": 1}
 """Each monitored mode's count interval (``plain`` runs no monitor); staggered: the modes named so."""
 
 _TIME_MODES = ("plain", "agent_no_counts", "counts_every_10", "counts_every_10_staggered", "counts_every_step",
                "debug_path_only", "counts_every_step_te_routes", "counts_every_step_batched",
-               "counts_every_10_staggered_batched")
+               "counts_every_10_staggered_batched", "counts_every_10_staggered_batched_routed",
+               "counts_every_step_batched_routed", "debug_path_only_routed")
 """Every mode ``time`` knows. These run only when ``--modes`` names them: ``counts_every_step_te_routes``
 (counting every step with TE's own routing keys for nvdlfw-inspect, twelfth session) and the
-``_batched`` modes (eight operands a count launch, ``count_batch.CountBatch``, thirteenth session)."""
+``_batched`` modes (eight operands a count launch, ``count_batch.CountBatch``, thirteenth session),
+and the ``_routed`` ones (TE's debug questions through nvdlfw-inspect's routing, as before the
+sixteenth session's ``te_inspect.answer_directly``)."""
 DEFAULT_TIME_MODES = _TIME_MODES[:6]
 """The modes ``time`` compares by default."""
 

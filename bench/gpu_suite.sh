@@ -8,7 +8,9 @@
 #   bash bench/gpu_suite.sh host-cost  # monitor.step host time at 12-96 TE layers, then 604M and 48-layer ratios
 #   bash bench/gpu_suite.sh host-cost-keep  # the same with MonitorConfig(grad_buffer=True), set_to_none=False
 #   bash bench/gpu_suite.sh host-cost-48  # the 48-layer ratio alone, 20 rounds: its verdict against 1.005x
-#   bash bench/gpu_suite.sh counts-time-ten  # every 10th step, staggered, one launch each and batched
+#   bash bench/gpu_suite.sh counts-time-ten  # every 10th step, staggered, batched: TE's questions answered
+#                                            # by fp8guard, or routed by nvdlfw-inspect
+#   bash bench/gpu_suite.sh counts-time-step  # every step, batched, and TE's debug path alone, both ways
 #   bash bench/gpu_suite.sh heal       # the FP8 instability, three ways ($HEAL_ARGS passed on)
 #   bash bench/gpu_suite.sh heal-1e4   # the 1e4 outlier ($HEAL_1E4_ARGS passed on, e.g. --noise:
 #                                      # the unguarded run twice, run-to-run noise; --deterministic)
@@ -94,9 +96,17 @@ for what in "$@"; do
     counts-time)
       part counts_time 240 python3 bench/gpu_counts.py time --out "$OUT" ;;
     counts-time-ten)
-      # counting every 10th step only, staggered, one launch each and batched, 20 rounds (~3.5 min)
+      # counting every 10th step only, staggered, batched (the defaults), with TE's debug questions
+      # answered by fp8guard (te_inspect.answer_directly, the default) or routed by nvdlfw-inspect
+      # (the _routed mode, as until the sixteenth session), 20 rounds (~3.5 min)
       part counts_time_ten 260 python3 bench/gpu_counts.py time --modes \
-        agent_no_counts,counts_every_10_staggered,counts_every_10_staggered_batched --rounds 20 --tag .ten --out "$OUT" ;;
+        agent_no_counts,counts_every_10_staggered_batched,counts_every_10_staggered_batched_routed --rounds 20 \
+        --tag .ten --out "$OUT" ;;
+    counts-time-step)
+      # counting every step, and TE's debug path alone, each answered directly and routed (~2.5 min)
+      part counts_time_step 240 python3 bench/gpu_counts.py time --modes \
+        agent_no_counts,counts_every_step_batched,counts_every_step_batched_routed,debug_path_only,debug_path_only_routed \
+        --rounds 10 --tag .step --out "$OUT" ;;
     host-cost-48)
       # the 48-layer model's ratio alone, 20 rounds, with its interval and verdict (~5 min)
       part host_cost_48 500 python3 bench/gpu_host_cost.py --parts ratios --ratio-models 48x1024 --rounds 20 \

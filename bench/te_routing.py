@@ -1,6 +1,7 @@
 """What nvdlfw-inspect's routing of TE's debug calls costs the host per counted step, and what it
 keeps: TE's own cache keys against the keys fp8guard sets in a debug session it opened
-(``te_inspect.cache_routes_across_iterations``), side by side.
+(``te_inspect.cache_routes_across_iterations``), and those keys with fp8guard answering TE's
+questions itself (``te_inspect.answer_directly``, no routing), side by side.
 
     python3 bench/te_routing.py [--layers 12] [--iterations 300] [--rounds 3] [--out DIR]
 
@@ -9,8 +10,8 @@ copied from TE 2.20.2 (``bench/_te_namespace.py``; TE itself needs CUDA), fp8gua
 answers as in training (counting every 10th step). Each way opens a fresh debug session and runs
 ``--iterations`` counted iterations of every call the model's TE modules make when a debug
 iteration builds their quantizers (1,296 routed calls and 288 log messages for 12 layers),
-rounds alternating; then, under ``tracemalloc``, what the session holds after as many iterations.
-Both ways must give the same answers call by call. The routing of TE's own features (loaded
+rounds rotating the ways; then, under ``tracemalloc``, what the session holds after as many iterations.
+Every way must give the same answers call by call. The routing of TE's own features (loaded
 from its features folder under TE, absent here) is not in these figures: under TE each call that
 misses the cache also asks each of them, so a miss costs more there.
 """
@@ -29,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EVERY = 10
 """Counting every this many steps: the counted iterations are its multiples."""
+WAYS = ("te_keys", "fp8guard_keys", "fp8guard_direct")
+"""TE's routing keys; fp8guard's (``te_inspect.cache_routes_across_iterations``); fp8guard's keys
+and its direct answers (``te_inspect.answer_directly``), the way of a session fp8guard opens."""
 
 
 def _session(way: str, layers: int) -> tuple[Any, list[str]]:
@@ -55,8 +59,10 @@ def _session(way: str, layers: int) -> tuple[Any, list[str]]:
                                "enabled": True, "tensors": list(te_inspect.TENSOR_NAMES.values())}}}}
     debug_api.initialize(config_file=config, feature_dirs=[], statistics_logger=Quiet(),
                          log_dir=_te_namespace.log_dir())
-    if way == "fp8guard_keys" and not te_inspect.cache_routes_across_iterations():
+    if way in ("fp8guard_keys", "fp8guard_direct") and not te_inspect.cache_routes_across_iterations():
         raise SystemExit("cache_routes_across_iterations found no routing map to change")
+    if way == "fp8guard_direct" and not te_inspect.answer_directly():
+        raise SystemExit("answer_directly found no namespace API to answer for")
     names = _te_namespace.layer_names(layers)
     targets = {(n, t): (i * 3 + j, Fp8Format.E4M3) for i, n in enumerate(names)
                for j, t in enumerate(te_inspect.TENSOR_NAMES.values())}
@@ -81,12 +87,12 @@ def measure(layers: int = 12, iterations: int = 300, rounds: int = 3) -> dict[st
         return {"bench": "te_routing", "skipped": f"needs torch and nvdlfw-inspect: {exc}"}
     from bench import _te_namespace
 
-    ways = ("te_keys", "fp8guard_keys")
+    ways = WAYS
     per_iteration_ms: dict[str, list[float]] = {w: [] for w in ways}
     answers: dict[str, list[Any]] = {}
     held: dict[str, dict[str, Any]] = {}
     for r in range(rounds):
-        for way in ways if r % 2 == 0 else tuple(reversed(ways)):
+        for way in ways[r % len(ways):] + ways[:r % len(ways)]:
             debug_api, names = _session(way, layers)
             got = []
             for k in range(iterations):
@@ -114,7 +120,7 @@ def measure(layers: int = 12, iterations: int = 300, rounds: int = 3) -> dict[st
             "log_messages_per_iteration": 4 * layers * 6, "host_ms_per_counted_iteration_median": median,
             "host_ms_min_max": {w: [round(min(v), 3), round(max(v), 3)] for w, v in per_iteration_ms.items()},
             "entries_after": held, "held_kb_per_counted_iteration": memory,
-            "same_answers": answers["te_keys"] == answers["fp8guard_keys"],
+            "same_answers": all(answers[w] == answers["te_keys"] for w in ways),
             "answers_to_count": sum(1 for it in answers["fp8guard_keys"] for a in it
                                     if isinstance(a, tuple) and a[0] is True and a[1] is not None)}
 

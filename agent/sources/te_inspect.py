@@ -61,6 +61,27 @@ class _Slot:
     """fp8guard opened the current debug session (a later Monitor in the process owns it too)."""
 
 
+def _enabled(layer_name: str, tensor_name: str, iteration: int) -> tuple[bool, int | None]:
+    """fp8guard's answer to TE's ``inspect_tensor_enabled`` (the feature's and the direct one)."""
+    counter = _Slot.counter
+    if counter is None:
+        return False, None
+    return counter.enabled(iteration, layer_name, tensor_name)
+
+
+def _inspect(layer_name: str, tensor_name: str, iteration: int, tensor: torch.Tensor | None, quantized: Any,
+             quantizer: Any) -> None:
+    """fp8guard's ``inspect_tensor``: count one cast (the feature's and the direct one)."""
+    counter = _Slot.counter
+    if counter is None:
+        return
+    try:
+        counter.inspect(layer_name, tensor_name, tensor, quantized, quantizer, iteration)
+    except Exception:  # monitoring never takes training down
+        counter.active = False
+        log.exception("fp8guard: exact counting failed and is now off; training continues")
+
+
 def _make_feature() -> type:
     from nvdlfw_inspect.registry import api_method
 
@@ -78,24 +99,14 @@ def _make_feature() -> type:
         @api_method  # type: ignore[untyped-decorator, unused-ignore]
         def inspect_tensor_enabled(self, config: dict[str, Any], layer_name: str, tensor_name: str,
                                    iteration: int) -> tuple[bool, int | None]:
-            counter = _Slot.counter
-            if counter is None:
-                return False, None
-            return counter.enabled(iteration, layer_name, tensor_name)
+            return _enabled(layer_name, tensor_name, iteration)
 
         @api_method  # type: ignore[untyped-decorator, unused-ignore]
         def inspect_tensor(self, config: dict[str, Any], layer_name: str, tensor_name: str, iteration: int,
                            tp_group: Any, tensor: torch.Tensor | None, rowwise_quantized_tensor: Any = None,
                            columnwise_quantized_tensor: Any = None, quantizer: Any = None,
                            tp_size: int = 1) -> None:
-            counter = _Slot.counter
-            if counter is None:
-                return
-            try:
-                counter.inspect(layer_name, tensor_name, tensor, rowwise_quantized_tensor, quantizer, iteration)
-            except Exception:  # monitoring never takes training down
-                counter.active = False
-                log.exception("fp8guard: exact counting failed and is now off; training continues")
+            _inspect(layer_name, tensor_name, iteration, tensor, rowwise_quantized_tensor, quantizer)
 
     return Fp8GuardCounts
 
@@ -163,6 +174,9 @@ def attach(counter: InspectCounts) -> None:
         if not cache_routes_across_iterations():
             log.warning("fp8guard: nvdlfw-inspect's routing cache has another shape here; TE's per-iteration "
                         "routing entries will grow with every counted step")
+        if not answer_directly():
+            log.warning("fp8guard: nvdlfw-inspect keeps TE's namespace API otherwise here; TE's debug "
+                        "questions go through its routing (more host time per counted step)")
         counter.owning = True
         _Slot.owned_session = True
     else:
@@ -214,6 +228,73 @@ def cache_routes_across_iterations(on: bool = True) -> bool:
     routed = {name: [k for k in args if k != "iteration"] for name, args in te_keys.items()}
     routed.setdefault("fp8_gemm_enabled", ["gemm"])
     state["_cacheable_api_kwargs_map"] = routed if on else te_keys
+    return True
+
+
+_WANTED = frozenset(TENSOR_NAMES.values())
+
+
+def _direct_inspect_tensor_enabled(*, layer_name: str, tensor_name: str, iteration: int,
+                                   **_: Any) -> tuple[bool, int | None]:
+    if tensor_name not in _WANTED:  # output, dgrad, wgrad: fp8guard's feature is not routed these
+        return False, None
+    return _enabled(layer_name, tensor_name, iteration)
+
+
+def _direct_inspect_tensor(*, layer_name: str, tensor_name: str, iteration: int, tensor: torch.Tensor | None = None,
+                           rowwise_quantized_tensor: Any = None, quantizer: Any = None, **_: Any) -> None:
+    if tensor_name in _WANTED:
+        _inspect(layer_name, tensor_name, iteration, tensor, rowwise_quantized_tensor, quantizer)
+
+
+def _te_default(**_: Any) -> tuple[bool, None]:
+    return False, None
+
+
+def _te_default_fp8_gemm(**_: Any) -> tuple[bool, None]:
+    return True, None
+
+
+DIRECT_ANSWERS: dict[str, Any] = {
+    "inspect_tensor_enabled": _direct_inspect_tensor_enabled,
+    "inspect_tensor": _direct_inspect_tensor,
+    "inspect_tensor_postquantize_enabled": _te_default,
+    "modify_tensor_enabled": _te_default,
+    "fp8_gemm_enabled": _te_default_fp8_gemm,
+}
+"""What TE's debug quantizers ask (and ``inspect_tensor``), answered as nvdlfw-inspect's routing
+answers them in a debug session fp8guard opened: its feature for the three operands it counts,
+TE's defaults (``TEDefaultFeatures`` in TE 2.20.2's debug/features/api.py) for everything else.
+``modify_tensor`` and ``inspect_tensor_postquantize`` are never called there (their questions
+answer False) and stay routed."""
+
+
+def answer_directly(on: bool = True) -> bool:
+    """Answer TE's debug questions in a debug session fp8guard opened without nvdlfw-inspect's
+    routing (:data:`DIRECT_ANSWERS`). Call it only for such a session.
+
+    On a debug iteration each TE GEMM module builds 6 debug quantizers, which ask 27 routed
+    questions (1,296 a counted step of the 604M model): each goes through nvdlfw-inspect's
+    ``route_api`` (a cache key built as a string, two logged-call sets, TE's argument assertions,
+    the feature call). In a session fp8guard opened every answer is known without routing: only
+    fp8guard's feature is configured, for every layer. The direct answers sit as attributes of
+    TE's namespace API object, which Python finds before the object's ``__getattr__`` that routes;
+    ``on=False`` takes them away (the GPU bench's ``_routed`` modes). Returns False, changing
+    nothing, where nvdlfw-inspect keeps its namespace APIs otherwise."""
+    try:
+        import nvdlfw_inspect.api as debug_api
+    except Exception:
+        return False
+    apis = getattr(debug_api.DEBUG_MANAGER, "_namespace_apis", None)
+    api = apis.get("transformer_engine") if isinstance(apis, dict) else None
+    state = getattr(api, "__dict__", None)
+    if not isinstance(state, dict) or not callable(getattr(type(api), "route_api", None)):
+        return False
+    for name, answer in DIRECT_ANSWERS.items():
+        if on:
+            state[name] = answer
+        else:
+            state.pop(name, None)
     return True
 
 

@@ -97,6 +97,58 @@ def test_no_session_or_another_shape_changes_nothing(session: Any, monkeypatch: 
     assert te_inspect.cache_routes_across_iterations() is False
 
 
+@pytest.mark.parametrize("stagger_from", [None, 0])
+def test_direct_answers_are_the_routed_answers_without_routing(session: Any, stagger_from: int | None) -> None:
+    """In a session fp8guard opened, fp8guard answers TE's debug questions itself: call by call
+    what nvdlfw-inspect's routing answers (TE's keys), and nothing routed, so nothing cached."""
+    debug_api, names = session("te_keys")
+    expected = _schedule(debug_api, names, ITERATIONS, stagger_from)
+    debug_api.end_debug()
+    debug_api, names = session("fp8guard_direct")
+    got = _schedule(debug_api, names, ITERATIONS, stagger_from)
+    assert got == expected
+    assert any(a == (True, 20) for it in got for a in it)
+    assert te_routing._entries(debug_api) == {"routing_cache": 0, "logged_calls": 0}
+    assert te_inspect.answer_directly(False)  # the routing again (the GPU bench's _routed modes)
+    assert _schedule(debug_api, names, ITERATIONS, stagger_from) == expected
+    assert te_routing._entries(debug_api)["routing_cache"] > 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_te_s_inspect_call_counts_the_same_answered_directly_or_routed(session: Any, direct: bool) -> None:
+    """TE's ``inspect_tensor`` call, with TE's arguments, counts the cast either way; what
+    fp8guard's feature is not routed (an output) counts nothing; an error inside switches
+    counting off and never reaches training."""
+    debug_api, names = session("fp8guard_keys")
+    te_inspect.answer_directly(direct)
+    counter = te_inspect._Slot.counter
+    assert counter is not None
+    counter.every = 0  # armed: every iteration counts
+    x = torch.tensor([100.0, 1e-9, 1.0, -100.0, 0.0])  # 2 overflows, 1 underflow
+    args = {"layer_name": names[0], "tp_group": None, "tp_size": 1, "columnwise_quantized_tensor": None,
+            "quantizer": SimpleNamespace(), "iteration": 3}
+    debug_api.transformer_engine.inspect_tensor(tensor=x, rowwise_quantized_tensor=_cast(x), tensor_name="activation",
+                                                **args)
+    debug_api.transformer_engine.inspect_tensor(tensor=x, rowwise_quantized_tensor=_cast(x), tensor_name="output",
+                                                **args)
+    assert counter.counts.sum(dim=0).tolist() == [2, 1] and counter.calls == 1
+    broken = SimpleNamespace(_data=torch.zeros(5, dtype=torch.int32), _scale_inv=torch.ones(1))
+    debug_api.transformer_engine.inspect_tensor(tensor=x, rowwise_quantized_tensor=broken, tensor_name="weight",
+                                                **args)
+    assert counter.active is False
+    assert debug_api.transformer_engine.inspect_tensor_enabled(layer_name=names[0], tensor_name="activation",
+                                                               iteration=4) == (False, None)
+
+
+def test_no_session_or_another_shape_answers_nothing_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvdlfw_inspect.api as debug_api
+
+    monkeypatch.setattr(debug_api, "DEBUG_MANAGER", None)
+    assert te_inspect.answer_directly() is False
+    monkeypatch.setattr(debug_api, "DEBUG_MANAGER", SimpleNamespace(_namespace_apis={"transformer_engine": object()}))
+    assert te_inspect.answer_directly() is False
+
+
 class _Twice(torch.autograd.Function):
     """Hands the counter an activation in its forward, and in its backward the same activation
     again (a recompute) and a gradient."""
@@ -161,6 +213,7 @@ def test_routing_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert result["same_answers"] and result["answers_to_count"] > 0
     assert result["routed_calls_per_iteration"] == 8 * 27 and result["log_messages_per_iteration"] == 8 * 6
     assert result["entries_after"]["fp8guard_keys"]["routing_cache"] < result["entries_after"]["te_keys"]["routing_cache"]
+    assert result["entries_after"]["fp8guard_direct"]["routing_cache"] == 0
     assert result["held_kb_per_counted_iteration"]["te_keys"] > 10 * result["held_kb_per_counted_iteration"]["fp8guard_keys"]
 
 
