@@ -2,8 +2,9 @@
 
 ``parts`` times, without a profiler, TE's debug quantizers (construction and ``quantize``),
 nvdlfw-inspect's dispatch and message logging, and fp8guard's feature and launches, in rounds that
-interleave plain FP8, the debug path alone, counting, and counting through the launch path before
-the seventh session (bench/_count_probe.py).
+interleave plain FP8, the debug path alone (fp8guard answering TE's debug questions itself, and
+routed through nvdlfw-inspect as before the sixteenth session), counting, and counting through the
+launch path before the seventh session (bench/_count_probe.py).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
             modes_.use(mode)
             counter.__dict__.pop("_row", None)
 
-    modes = ["plain", "debug_path_only", "counts_every_step", "counts_every_step_legacy"]
+    modes = ["plain", "debug_path_only", "debug_path_only_routed", "counts_every_step", "counts_every_step_legacy"]
     for mode in modes:
         use(mode)
         for _ in range(args.warmup):
@@ -99,6 +100,7 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
     timers.wrap(DebugQuantizer, "_call_inspect_tensor_api", "TE DebugQuantizer._call_inspect_tensor_api")
     timers.wrap(BaseNamespaceAPI, "route_api", "nvdlfw route_api (dispatch, features included)")
     timers.wrap(debug_api, "log_message", "nvdlfw log_message")
+    timers.wrap(modes_.te_inspect, "_enabled", "fp8guard inspect_tensor_enabled (its answer, routed or direct)")
     timers.wrap(counter, "inspect", "fp8guard InspectCounts.inspect (feature, launch included)")
     per: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
     t_start = time.perf_counter()
