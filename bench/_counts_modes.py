@@ -16,9 +16,9 @@ class _Modes:
     every 10th step (all modules at once, or staggered: ``MonitorConfig.count_stagger``), counting
     every step (with fp8guard's routing keys for nvdlfw-inspect, or TE's own; one count launch per
     operand, or eight operands a launch), and TE's debug path alone (counting armed, fp8guard's
-    kernel skipped). fp8guard answers TE's debug questions itself (``te_inspect.answer_directly``)
-    but in the modes ending ``_routed`` and ``counts_every_step_te_routes``, where nvdlfw-inspect
-    routes them."""
+    kernel skipped). fp8guard answers TE's debug questions itself (``te_inspect.answer_directly``,
+    ``te_inspect.bind_namespace``) but in the modes ending ``_routed`` and
+    ``counts_every_step_te_routes``, where nvdlfw-inspect routes them."""
 
     def __init__(self, args: argparse.Namespace, bench: str) -> None:
         torch, _ = require_te(bench)
@@ -61,7 +61,9 @@ class _Modes:
         self.state.debug_enabled = True
         # TE's own routing keys for nvdlfw-inspect in one mode, fp8guard's in the others
         self.te_inspect.cache_routes_across_iterations(mode != "counts_every_step_te_routes")
-        self.te_inspect.answer_directly(not mode.endswith(("_routed", "_te_routes")))
+        direct = not mode.endswith(("_routed", "_te_routes"))
+        self.te_inspect.answer_directly(direct)
+        self.te_inspect.bind_namespace(direct)
         self.monitor.config.count_stagger = mode.startswith("counts_every_10_staggered")
         self.monitor.set_count_interval(MODE_INTERVAL[mode])
 
@@ -75,6 +77,7 @@ class _Modes:
             counter.use_batch(None)
         self.te_inspect.cache_routes_across_iterations(True)
         self.te_inspect.answer_directly(True)
+        self.te_inspect.bind_namespace(True)
 
 
 MODE_INTERVAL = {"agent_no_counts": 0, "counts_every_10": 10, "counts_every_10_staggered": 10,

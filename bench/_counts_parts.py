@@ -60,7 +60,6 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
     and fp8guard's feature and launches; rounds interleave plain FP8, TE's debug path alone,
     counting with this session's launch path and with the one before it (same kernel, same key)."""
     modes_ = _Modes(args, "gpu_counts_parts")  # skips without CUDA, TE or FP8
-    import nvdlfw_inspect.api as debug_api
     from nvdlfw_inspect.base import BaseNamespaceAPI
     from transformer_engine.debug.pytorch.debug_quantization import DebugQuantizer
 
@@ -99,7 +98,11 @@ def parts(args: argparse.Namespace) -> dict[str, Any]:
     timers.wrap(DebugQuantizer, "quantize", "TE DebugQuantizer.quantize (cast + inspection calls)")
     timers.wrap(DebugQuantizer, "_call_inspect_tensor_api", "TE DebugQuantizer._call_inspect_tensor_api")
     timers.wrap(BaseNamespaceAPI, "route_api", "nvdlfw route_api (dispatch, features included)")
-    timers.wrap(debug_api, "log_message", "nvdlfw log_message")
+    # (below nvdlfw-inspect's module log_message, which fp8guard's session replaces: te_inspect.bind_namespace)
+    from nvdlfw_inspect.utils import SingleMessageLogger
+
+    timers._restore.append((SingleMessageLogger, "log_message_once", SingleMessageLogger.__dict__["log_message_once"]))
+    SingleMessageLogger.log_message_once = timers.timed("nvdlfw log_message_once", SingleMessageLogger.log_message_once)
     timers.wrap(modes_.te_inspect, "_enabled", "fp8guard inspect_tensor_enabled (its answer, routed or direct)")
     timers.wrap(counter, "inspect", "fp8guard InspectCounts.inspect (feature, launch included)")
     per: dict[str, dict[str, list[float]]] = {m: {} for m in modes}

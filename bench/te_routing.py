@@ -1,7 +1,8 @@
 """What nvdlfw-inspect's routing of TE's debug calls costs the host per counted step, and what it
 keeps: TE's own cache keys against the keys fp8guard sets in a debug session it opened
 (``te_inspect.cache_routes_across_iterations``), and those keys with fp8guard answering TE's
-questions itself (``te_inspect.answer_directly``, no routing), side by side.
+questions itself (``te_inspect.answer_directly``, no routing), then also without nvdlfw-inspect's
+module ``__getattr__`` and informational messages (``te_inspect.bind_namespace``), side by side.
 
     python3 bench/te_routing.py [--layers 12] [--iterations 300] [--rounds 3] [--out DIR]
 
@@ -30,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EVERY = 10
 """Counting every this many steps: the counted iterations are its multiples."""
-WAYS = ("te_keys", "fp8guard_keys", "fp8guard_direct")
+WAYS = ("te_keys", "fp8guard_keys", "fp8guard_direct", "fp8guard_bound")
 """TE's routing keys; fp8guard's (``te_inspect.cache_routes_across_iterations``); fp8guard's keys
-and its direct answers (``te_inspect.answer_directly``), the way of a session fp8guard opens."""
+and its direct answers (``te_inspect.answer_directly``); those with TE's namespace bound and the
+plan messages dropped (``te_inspect.bind_namespace``), the way of a session fp8guard opens."""
 
 
 def _session(way: str, layers: int) -> tuple[Any, list[str]]:
@@ -59,10 +61,12 @@ def _session(way: str, layers: int) -> tuple[Any, list[str]]:
                                "enabled": True, "tensors": list(te_inspect.TENSOR_NAMES.values())}}}}
     debug_api.initialize(config_file=config, feature_dirs=[], statistics_logger=Quiet(),
                          log_dir=_te_namespace.log_dir())
-    if way in ("fp8guard_keys", "fp8guard_direct") and not te_inspect.cache_routes_across_iterations():
+    if way != "te_keys" and not te_inspect.cache_routes_across_iterations():
         raise SystemExit("cache_routes_across_iterations found no routing map to change")
-    if way == "fp8guard_direct" and not te_inspect.answer_directly():
+    if way in ("fp8guard_direct", "fp8guard_bound") and not te_inspect.answer_directly():
         raise SystemExit("answer_directly found no namespace API to answer for")
+    if way == "fp8guard_bound" and not te_inspect.bind_namespace():
+        raise SystemExit("bind_namespace found no session to bind")
     names = _te_namespace.layer_names(layers)
     targets = {(n, t): (i * 3 + j, Fp8Format.E4M3) for i, n in enumerate(names)
                for j, t in enumerate(te_inspect.TENSOR_NAMES.values())}

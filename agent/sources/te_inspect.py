@@ -174,7 +174,7 @@ def attach(counter: InspectCounts) -> None:
         if not cache_routes_across_iterations():
             log.warning("fp8guard: nvdlfw-inspect's routing cache has another shape here; TE's per-iteration "
                         "routing entries will grow with every counted step")
-        if not answer_directly():
+        if not (answer_directly() and bind_namespace()):
             log.warning("fp8guard: nvdlfw-inspect keeps TE's namespace API otherwise here; TE's debug "
                         "questions go through its routing (more host time per counted step)")
         counter.owning = True
@@ -296,6 +296,66 @@ def answer_directly(on: bool = True) -> bool:
         else:
             state.pop(name, None)
     return True
+
+
+_BOUND: dict[str, Any] = {}
+"""What :func:`bind_namespace` replaced (nvdlfw-inspect's ``log_message``, the session's
+manager), kept to put back."""
+
+
+def bind_namespace(on: bool = True) -> bool:
+    """Let TE's debug calls in a debug session fp8guard opened reach TE's namespace API without
+    nvdlfw-inspect's module ``__getattr__``, and drop the session's informational log messages.
+    Call it only for such a session, after :func:`answer_directly`.
+
+    TE reaches its namespace API as ``debug_api.transformer_engine``: a module attribute that
+    does not exist, so each call runs nvdlfw-inspect's module ``__getattr__``, which reads the
+    caller's frame and formats its file and line for routing keys. The direct answers need no
+    routing key. fp8guard binds the name to the session's namespace API object, and replaces
+    ``log_message`` with one that passes on warnings and errors only: TE logs each debug
+    quantizer's plans at INFO, 288 messages per counted step of the 604M model, each reading
+    two frames, into the log folder fp8guard made for its session, which nobody reads. The
+    session's ``close`` (``debug_api.end_debug()``) undoes both first, so no later session sees
+    them; ``on=False`` undoes them now. Returns False, changing nothing, where nvdlfw-inspect
+    keeps its session otherwise."""
+    try:
+        import nvdlfw_inspect.api as debug_api
+    except Exception:
+        return False
+    _unbind(debug_api)
+    if not on:
+        return True
+    manager = debug_api.DEBUG_MANAGER
+    apis = getattr(manager, "_namespace_apis", None)
+    api = apis.get("transformer_engine") if isinstance(apis, dict) else None
+    real_log = debug_api.__dict__.get("log_message")
+    real_close = getattr(manager, "close", None)
+    if api is None or not callable(real_log) or not callable(real_close):
+        return False
+
+    def log_message(msg: str, layer_name: str | None = None, level: int = logging.INFO,
+                    extra_cachable_args: Any = None) -> None:
+        if level >= logging.WARNING:
+            real_log(msg, layer_name, level, extra_cachable_args)
+
+    def close() -> None:
+        _unbind(debug_api)
+        real_close()
+
+    _BOUND.update(manager=manager, log_message=real_log)
+    debug_api.transformer_engine = api
+    debug_api.log_message = log_message
+    manager.close = close
+    return True
+
+
+def _unbind(debug_api: Any) -> None:
+    if not _BOUND:
+        return
+    debug_api.__dict__.pop("transformer_engine", None)
+    debug_api.log_message = _BOUND["log_message"]
+    _BOUND["manager"].__dict__.pop("close", None)
+    _BOUND.clear()
 
 
 def detach(counter: InspectCounts) -> None:

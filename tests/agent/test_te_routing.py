@@ -97,19 +97,21 @@ def test_no_session_or_another_shape_changes_nothing(session: Any, monkeypatch: 
     assert te_inspect.cache_routes_across_iterations() is False
 
 
+@pytest.mark.parametrize("way", ["fp8guard_direct", "fp8guard_bound"])
 @pytest.mark.parametrize("stagger_from", [None, 0])
-def test_direct_answers_are_the_routed_answers_without_routing(session: Any, stagger_from: int | None) -> None:
+def test_direct_answers_are_the_routed_answers_without_routing(session: Any, stagger_from: int | None,
+                                                               way: str) -> None:
     """In a session fp8guard opened, fp8guard answers TE's debug questions itself: call by call
     what nvdlfw-inspect's routing answers (TE's keys), and nothing routed, so nothing cached."""
     debug_api, names = session("te_keys")
     expected = _schedule(debug_api, names, ITERATIONS, stagger_from)
     debug_api.end_debug()
-    debug_api, names = session("fp8guard_direct")
+    debug_api, names = session(way)
     got = _schedule(debug_api, names, ITERATIONS, stagger_from)
     assert got == expected
     assert any(a == (True, 20) for it in got for a in it)
     assert te_routing._entries(debug_api) == {"routing_cache": 0, "logged_calls": 0}
-    assert te_inspect.answer_directly(False)  # the routing again (the GPU bench's _routed modes)
+    assert te_inspect.bind_namespace(False) and te_inspect.answer_directly(False)  # the bench's _routed modes
     assert _schedule(debug_api, names, ITERATIONS, stagger_from) == expected
     assert te_routing._entries(debug_api)["routing_cache"] > 0
 
@@ -140,13 +142,55 @@ def test_te_s_inspect_call_counts_the_same_answered_directly_or_routed(session: 
                                                                iteration=4) == (False, None)
 
 
+def test_the_bound_namespace_and_quiet_log_end_with_fp8guard_s_session(session: Any) -> None:
+    """``bind_namespace`` makes ``debug_api.transformer_engine`` the session's namespace API object
+    (no module ``__getattr__``) and passes on only warnings and errors; the session's close, or
+    ``on=False``, puts nvdlfw-inspect back as it was, so no later session sees either."""
+    import logging
+
+    from nvdlfw_inspect.utils import SingleMessageLogger
+
+    real_log = debug_api_module().log_message
+    debug_api, _ = session("fp8guard_bound")
+    api = debug_api.DEBUG_MANAGER._namespace_apis["transformer_engine"]
+    assert debug_api.__dict__["transformer_engine"] is api
+    seen: list[tuple[str, int]] = []
+    original = SingleMessageLogger.__dict__["log_message_once"]
+    SingleMessageLogger.log_message_once = lambda msg, layer_name=None, level=logging.INFO, *_: seen.append(
+        (msg, level))
+    try:
+        debug_api.log_message("Tensor: activation, gemm fprop - FP8 Quantize", layer_name="l0",
+                              extra_cachable_args=("fprop", "activation"))
+        debug_api.log_message("something is wrong", level=logging.WARNING)
+    finally:
+        SingleMessageLogger.log_message_once = original
+    assert seen == [("something is wrong", logging.WARNING)]
+    assert te_inspect.bind_namespace(False)
+    assert "transformer_engine" not in debug_api.__dict__ and debug_api.log_message is real_log
+    assert debug_api.transformer_engine is api  # through nvdlfw-inspect's __getattr__ again
+    assert te_inspect.bind_namespace()
+    debug_api.end_debug()
+    assert "transformer_engine" not in debug_api.__dict__ and debug_api.log_message is real_log
+    assert "close" not in vars(api) and not te_inspect._BOUND
+    with pytest.raises(RuntimeError, match="not initialized"):
+        _ = debug_api.transformer_engine
+
+
+def debug_api_module() -> Any:
+    import nvdlfw_inspect.api as debug_api
+
+    return debug_api
+
+
 def test_no_session_or_another_shape_answers_nothing_directly(monkeypatch: pytest.MonkeyPatch) -> None:
     import nvdlfw_inspect.api as debug_api
 
     monkeypatch.setattr(debug_api, "DEBUG_MANAGER", None)
-    assert te_inspect.answer_directly() is False
+    assert te_inspect.answer_directly() is False and te_inspect.bind_namespace() is False
     monkeypatch.setattr(debug_api, "DEBUG_MANAGER", SimpleNamespace(_namespace_apis={"transformer_engine": object()}))
     assert te_inspect.answer_directly() is False
+    assert te_inspect.bind_namespace() is False  # a manager that cannot close: nothing bound
+    assert "transformer_engine" not in debug_api.__dict__ and not te_inspect._BOUND
 
 
 class _Twice(torch.autograd.Function):
@@ -214,6 +258,7 @@ def test_routing_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert result["routed_calls_per_iteration"] == 8 * 27 and result["log_messages_per_iteration"] == 8 * 6
     assert result["entries_after"]["fp8guard_keys"]["routing_cache"] < result["entries_after"]["te_keys"]["routing_cache"]
     assert result["entries_after"]["fp8guard_direct"]["routing_cache"] == 0
+    assert result["entries_after"]["fp8guard_bound"]["routing_cache"] == 0
     assert result["held_kb_per_counted_iteration"]["te_keys"] > 10 * result["held_kb_per_counted_iteration"]["fp8guard_keys"]
 
 
