@@ -174,9 +174,12 @@ def attach(counter: InspectCounts) -> None:
         if not cache_routes_across_iterations():
             log.warning("fp8guard: nvdlfw-inspect's routing cache has another shape here; TE's per-iteration "
                         "routing entries will grow with every counted step")
-        if not (answer_directly() and bind_namespace()):
+        if not answer_directly():
             log.warning("fp8guard: nvdlfw-inspect keeps TE's namespace API otherwise here; TE's debug "
                         "questions go through its routing (more host time per counted step)")
+        elif not bind_namespace():
+            log.warning("fp8guard: nvdlfw-inspect keeps its debug session otherwise here; TE's debug calls "
+                        "go through its module __getattr__ (more host time per counted step)")
         counter.owning = True
         _Slot.owned_session = True
     else:
@@ -310,39 +313,49 @@ def bind_namespace(on: bool = True) -> bool:
 
     TE reaches its namespace API as ``debug_api.transformer_engine``: a module attribute that
     does not exist, so each call runs nvdlfw-inspect's module ``__getattr__``, which reads the
-    caller's frame and formats its file and line for routing keys. The direct answers need no
-    routing key. fp8guard binds the name to the session's namespace API object, and replaces
-    ``log_message`` with one that passes on warnings and errors only: TE logs each debug
-    quantizer's plans at INFO, 288 messages per counted step of the 604M model, each reading
-    two frames, into the log folder fp8guard made for its session, which nobody reads. The
-    session's ``close`` (``debug_api.end_debug()``) undoes both first, so no later session sees
-    them; ``on=False`` undoes them now. Returns False, changing nothing, where nvdlfw-inspect
-    keeps its session otherwise."""
+    caller's frame and formats its file and line as the call site of routing keys and log
+    messages. The direct answers need no routing key (the calls still routed, ``modify_tensor``
+    and ``inspect_tensor_postquantize``, are never made in fp8guard's session, and their routes
+    there do not depend on the call site). fp8guard binds the name to the session's namespace
+    API object, and replaces ``log_message`` with one that drops messages under WARNING: TE logs
+    each debug quantizer's plans at INFO, 288 messages per counted step of the 604M model, each
+    reading two frames, into the log folder fp8guard made for its session, which nobody reads.
+    Warnings and errors go on as nvdlfw-inspect's own ``log_message`` sends them (its call site
+    read from the caller's frame). The session's ``close`` (``debug_api.end_debug()``) undoes
+    both first, so no later session sees them, and the replacement passes every message on once
+    it is no longer bound (should a copy of it outlive the binding); ``on=False`` undoes them
+    now. Returns False, changing nothing, where nvdlfw-inspect keeps its session otherwise."""
     try:
         import nvdlfw_inspect.api as debug_api
+        from nvdlfw_inspect.utils import APICacheIdentifier, SingleMessageLogger
     except Exception:
         return False
-    _unbind(debug_api)
     if not on:
+        _unbind(debug_api)
         return True
     manager = debug_api.DEBUG_MANAGER
     apis = getattr(manager, "_namespace_apis", None)
     api = apis.get("transformer_engine") if isinstance(apis, dict) else None
-    real_log = debug_api.__dict__.get("log_message")
-    real_close = getattr(manager, "close", None)
+    bound = _BOUND.get("log_message")
+    real_log = bound if bound is not None else debug_api.__dict__.get("log_message")
+    real_close = getattr(type(manager), "close", None)
     if api is None or not callable(real_log) or not callable(real_close):
         return False
+    _unbind(debug_api)
 
     def log_message(msg: str, layer_name: str | None = None, level: int = logging.INFO,
                     extra_cachable_args: Any = None) -> None:
-        if level >= logging.WARNING:
-            real_log(msg, layer_name, level, extra_cachable_args)
+        if _BOUND.get("quiet") is not log_message or debug_api.DEBUG_MANAGER is not manager:
+            real_log(msg, layer_name, level, extra_cachable_args)  # not bound (any more): as ever
+        elif level >= logging.WARNING:  # nvdlfw_inspect.api.log_message's body, called from here
+            APICacheIdentifier.save_call_details()
+            SingleMessageLogger.log_message_once(msg, layer_name, level, extra_cachable_args)
 
     def close() -> None:
         _unbind(debug_api)
-        real_close()
+        real_close(manager)
 
-    _BOUND.update(manager=manager, log_message=real_log)
+    _BOUND.update(manager=manager, log_message=real_log, quiet=log_message)
     debug_api.transformer_engine = api
     debug_api.log_message = log_message
     manager.close = close
@@ -353,7 +366,8 @@ def _unbind(debug_api: Any) -> None:
     if not _BOUND:
         return
     debug_api.__dict__.pop("transformer_engine", None)
-    debug_api.log_message = _BOUND["log_message"]
+    if debug_api.__dict__.get("log_message") is _BOUND["quiet"]:
+        debug_api.log_message = _BOUND["log_message"]
     _BOUND["manager"].__dict__.pop("close", None)
     _BOUND.clear()
 

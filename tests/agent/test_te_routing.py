@@ -142,38 +142,109 @@ def test_te_s_inspect_call_counts_the_same_answered_directly_or_routed(session: 
                                                                iteration=4) == (False, None)
 
 
-def test_the_bound_namespace_and_quiet_log_end_with_fp8guard_s_session(session: Any) -> None:
+def _written(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """What nvdlfw-inspect's logger is given to write (after its once-per-call-site filter)."""
+    from nvdlfw_inspect.logging import get_logger
+
+    written: list[tuple[str, int]] = []
+    monkeypatch.setattr(get_logger(), "log_message", lambda message, **kw: written.append((message, kw["level"])))
+    return written
+
+
+def test_the_bound_namespace_and_quiet_log_end_with_fp8guard_s_session(session: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """``bind_namespace`` makes ``debug_api.transformer_engine`` the session's namespace API object
-    (no module ``__getattr__``) and passes on only warnings and errors; the session's close, or
+    (no module ``__getattr__``) and drops messages under WARNING; warnings and errors are written
+    as nvdlfw-inspect writes them (once per call site, each site its own); the session's close, or
     ``on=False``, puts nvdlfw-inspect back as it was, so no later session sees either."""
     import logging
-
-    from nvdlfw_inspect.utils import SingleMessageLogger
+    import uuid
 
     real_log = debug_api_module().log_message
     debug_api, _ = session("fp8guard_bound")
-    api = debug_api.DEBUG_MANAGER._namespace_apis["transformer_engine"]
+    manager = debug_api.DEBUG_MANAGER
+    api = manager._namespace_apis["transformer_engine"]
     assert debug_api.__dict__["transformer_engine"] is api
-    seen: list[tuple[str, int]] = []
-    original = SingleMessageLogger.__dict__["log_message_once"]
-    SingleMessageLogger.log_message_once = lambda msg, layer_name=None, level=logging.INFO, *_: seen.append(
-        (msg, level))
-    try:
-        debug_api.log_message("Tensor: activation, gemm fprop - FP8 Quantize", layer_name="l0",
-                              extra_cachable_args=("fprop", "activation"))
-        debug_api.log_message("something is wrong", level=logging.WARNING)
-    finally:
-        SingleMessageLogger.log_message_once = original
-    assert seen == [("something is wrong", logging.WARNING)]
+    written = _written(monkeypatch)
+    layer = f"l{uuid.uuid4().hex}"  # nvdlfw-inspect remembers what it wrote for the process
+    debug_api.log_message("Tensor: activation, gemm fprop - FP8 Quantize", layer_name=layer,
+                          extra_cachable_args=("fprop", "activation"))
+    debug_api.log_message("a first warning", layer_name=layer, level=logging.WARNING)
+    debug_api.log_message("another warning", layer_name=layer, level=logging.WARNING)
+    debug_api.log_message("an error", layer_name=layer, level=logging.ERROR)
+    assert [(m.split(": ", 1)[1], lv) for m, lv in written] == [
+        ("a first warning", logging.WARNING), ("another warning", logging.WARNING), ("an error", logging.ERROR)]
     assert te_inspect.bind_namespace(False)
     assert "transformer_engine" not in debug_api.__dict__ and debug_api.log_message is real_log
     assert debug_api.transformer_engine is api  # through nvdlfw-inspect's __getattr__ again
-    assert te_inspect.bind_namespace()
+    assert te_inspect.bind_namespace() and te_inspect.bind_namespace()  # twice: bound once, undone once
     debug_api.end_debug()
     assert "transformer_engine" not in debug_api.__dict__ and debug_api.log_message is real_log
-    assert "close" not in vars(api) and not te_inspect._BOUND
+    assert "close" not in vars(manager) and not te_inspect._BOUND
     with pytest.raises(RuntimeError, match="not initialized"):
         _ = debug_api.transformer_engine
+
+
+def test_a_quiet_log_left_behind_passes_every_message_on(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of the quiet ``log_message`` that outlives its binding (here: a stub put in while
+    bound, whose undo puts the quiet one back after the session closed) behaves as
+    nvdlfw-inspect's own: no message is dropped, and with no session it raises."""
+    import logging
+
+    real_log = debug_api_module().log_message
+    debug_api, names = session("fp8guard_bound")
+    quiet = debug_api.log_message
+    assert quiet is not real_log
+    with monkeypatch.context() as m:
+        m.setattr(debug_api, "log_message", lambda *a, **k: None)
+        debug_api.end_debug()
+    assert debug_api.log_message is quiet  # left behind by the stub's undo
+    with pytest.raises(RuntimeError, match="not initialized"):
+        quiet("an informational message", level=logging.INFO)
+    debug_api, names = session("fp8guard_keys")  # a session fp8guard did not bind
+    written = _written(monkeypatch)
+    quiet("an informational message", layer_name=names[0], level=logging.INFO)
+    assert [lv for _, lv in written] == [logging.INFO]
+    monkeypatch.setattr(debug_api, "log_message", real_log)
+
+
+def test_attach_opens_a_session_that_answers_directly_and_binds(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """The session ``attach`` opens (TE's debug modules stood in for: TE needs CUDA) has
+    fp8guard's routing keys, its direct answers and the bound namespace."""
+    import nvdlfw_inspect.api as debug_api
+
+    from bench import _te_namespace
+
+    if debug_api.DEBUG_MANAGER is not None:
+        debug_api.end_debug()
+    _te_namespace.install()
+    import types
+
+    state = SimpleNamespace(debug_enabled=False)
+    names = ["transformer_engine", "transformer_engine.debug", "transformer_engine.debug.pytorch",
+             "transformer_engine.debug.pytorch.debug_state", "transformer_engine.debug.features"]
+    modules = {n: types.ModuleType(n) for n in names}
+    modules["transformer_engine.debug.pytorch.debug_state"].TEDebugState = state  # type: ignore[attr-defined]
+    modules["transformer_engine.debug.features"].__file__ = str(tmp_path / "__init__.py")  # no TE features here
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, module)
+    monkeypatch.setattr(te_inspect._Slot, "owned_session", False)
+    monkeypatch.setattr(te_inspect._Slot, "counter", None)
+    counter = te_counts.InspectCounts({("l0", "activation"): (0, Fp8Format.E4M3)}, torch.zeros(1, 2, dtype=torch.int64))
+    te_inspect.attach(counter)
+    try:
+        api = debug_api.DEBUG_MANAGER._namespace_apis["transformer_engine"]
+        assert counter.owning and te_inspect._Slot.owned_session and state.debug_enabled
+        assert {k: vars(api)[k] for k in te_inspect.DIRECT_ANSWERS} == te_inspect.DIRECT_ANSWERS
+        assert debug_api.__dict__["transformer_engine"] is api
+        assert api._cacheable_api_kwargs_map["inspect_tensor_enabled"] == ["tensor_name"]
+    finally:
+        debug_api.end_debug()
+    assert "transformer_engine" not in debug_api.__dict__
 
 
 def debug_api_module() -> Any:
