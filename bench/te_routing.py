@@ -11,7 +11,9 @@ copied from TE 2.20.2 (``bench/_te_namespace.py``; TE itself needs CUDA), fp8gua
 answers as in training (counting every 10th step). Each way opens a fresh debug session and runs
 ``--iterations`` counted iterations of every call the model's TE modules make when a debug
 iteration builds their quantizers (1,296 routed calls and 288 log messages for 12 layers),
-rounds rotating the ways; then, under ``tracemalloc``, what the session holds after as many iterations.
+rounds rotating the ways; then, under ``tracemalloc``, what the session holds after as many iterations;
+and the same calls made to functions that do nothing (``host_ms_loop_floor_median``: the bench's own
+part of each figure).
 Every way must give the same answers call by call. The routing of TE's own features (loaded
 from its features folder under TE, absent here) is not in these figures: under TE each call that
 misses the cache also asks each of them, so a miss costs more there.
@@ -83,6 +85,28 @@ def _entries(debug_api: Any) -> dict[str, int]:
     return {"routing_cache": len(api._api_cache), "logged_calls": len(get_logger().logged_api_encountered)}
 
 
+def _loop_floor_ms(layers: int, iterations: int) -> float:
+    """The bench's own part of an iteration: the same calls, made the same way, to functions
+    that do nothing (no nvdlfw-inspect, no fp8guard)."""
+    from types import SimpleNamespace
+
+    from bench import _te_namespace
+
+    def nothing(**_: Any) -> tuple[bool, None]:
+        return False, None
+
+    stand_in = SimpleNamespace(log_message=nothing, transformer_engine=SimpleNamespace(
+        inspect_tensor_enabled=nothing, inspect_tensor_postquantize_enabled=nothing,
+        modify_tensor_enabled=nothing, fp8_gemm_enabled=nothing))
+    names = _te_namespace.layer_names(layers)
+    took = []
+    for k in range(iterations):
+        t0 = time.perf_counter()
+        _te_namespace.run_iteration(stand_in, names, k * EVERY)
+        took.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(took), 3)
+
+
 def measure(layers: int = 12, iterations: int = 300, rounds: int = 3) -> dict[str, Any]:
     try:
         import nvdlfw_inspect  # noqa: F401
@@ -119,8 +143,10 @@ def measure(layers: int = 12, iterations: int = 300, rounds: int = 3) -> dict[st
         debug_api.end_debug()
     calls = sum(1 for _ in _te_namespace.module_calls("x", 0))
     median = {w: round(statistics.median(v), 3) for w, v in per_iteration_ms.items()}
+    floor = _loop_floor_ms(layers, iterations)
     return {"bench": "te_routing", "layers": layers, "gemm_layers": 4 * layers, "counted_iterations": iterations,
             "rounds": rounds, "routed_calls_per_iteration": 4 * layers * (calls - 6),
+            "host_ms_loop_floor_median": floor,
             "log_messages_per_iteration": 4 * layers * 6, "host_ms_per_counted_iteration_median": median,
             "host_ms_min_max": {w: [round(min(v), 3), round(max(v), 3)] for w, v in per_iteration_ms.items()},
             "entries_after": held, "held_kb_per_counted_iteration": memory,

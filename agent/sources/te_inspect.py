@@ -302,8 +302,8 @@ def answer_directly(on: bool = True) -> bool:
 
 
 _BOUND: dict[str, Any] = {}
-"""What :func:`bind_namespace` replaced (nvdlfw-inspect's ``log_message``, the session's
-manager), kept to put back."""
+"""What :func:`bind_namespace` replaced (nvdlfw-inspect's ``log_message``, the session manager's
+``close``) and what it put in their place, kept to put them back."""
 
 
 def bind_namespace(on: bool = True) -> bool:
@@ -320,11 +320,12 @@ def bind_namespace(on: bool = True) -> bool:
     API object, and replaces ``log_message`` with one that drops messages under WARNING: TE logs
     each debug quantizer's plans at INFO, 288 messages per counted step of the 604M model, each
     reading two frames, into the log folder fp8guard made for its session, which nobody reads.
-    Warnings and errors go on as nvdlfw-inspect's own ``log_message`` sends them (its call site
-    read from the caller's frame). The session's ``close`` (``debug_api.end_debug()``) undoes
-    both first, so no later session sees them, and the replacement passes every message on once
-    it is no longer bound (should a copy of it outlive the binding); ``on=False`` undoes them
-    now. Returns False, changing nothing, where nvdlfw-inspect keeps its session otherwise."""
+    Warnings and errors go on as nvdlfw-inspect's own ``log_message`` sends them (its body,
+    with the call site read from the caller's frame). The session's ``close``
+    (``debug_api.end_debug()``) undoes both first, so no later session sees them, and a copy of
+    the replacement that outlives its binding passes every message on as nvdlfw-inspect's own
+    does; ``on=False`` undoes them now. Returns False, changing nothing, where nvdlfw-inspect
+    keeps its session otherwise or the direct answers are not in place."""
     try:
         import nvdlfw_inspect.api as debug_api
         from nvdlfw_inspect.utils import APICacheIdentifier, SingleMessageLogger
@@ -336,26 +337,36 @@ def bind_namespace(on: bool = True) -> bool:
     manager = debug_api.DEBUG_MANAGER
     apis = getattr(manager, "_namespace_apis", None)
     api = apis.get("transformer_engine") if isinstance(apis, dict) else None
-    bound = _BOUND.get("log_message")
-    real_log = bound if bound is not None else debug_api.__dict__.get("log_message")
-    real_close = getattr(type(manager), "close", None)
-    if api is None or not callable(real_log) or not callable(real_close):
-        return False
+    current = debug_api.__dict__.get("log_message")
+    # the function to put back: nvdlfw-inspect's (or whatever replaced fp8guard's since it bound)
+    real_log = _BOUND["log_message"] if _BOUND and current is _BOUND["quiet"] else current
+    class_close = getattr(type(manager), "close", None)
+    if (api is None or not callable(real_log) or not callable(class_close)
+            or vars(api).get("inspect_tensor_enabled") is not _direct_inspect_tensor_enabled):
+        return False  # (bound, nothing routed would find the call site nvdlfw-inspect's keys need)
     _unbind(debug_api)
+    earlier_close = manager.__dict__.get("close")
 
     def log_message(msg: str, layer_name: str | None = None, level: int = logging.INFO,
                     extra_cachable_args: Any = None) -> None:
-        if _BOUND.get("quiet") is not log_message or debug_api.DEBUG_MANAGER is not manager:
-            real_log(msg, layer_name, level, extra_cachable_args)  # not bound (any more): as ever
-        elif level >= logging.WARNING:  # nvdlfw_inspect.api.log_message's body, called from here
-            APICacheIdentifier.save_call_details()
-            SingleMessageLogger.log_message_once(msg, layer_name, level, extra_cachable_args)
+        bound = _BOUND.get("quiet") is log_message and debug_api.DEBUG_MANAGER is manager
+        if bound and level < logging.WARNING:
+            return
+        # nvdlfw_inspect.api.log_message's body, here so that the call site read two frames up
+        # from save_call_details is the caller's (also in a copy that outlived its binding)
+        if debug_api.DEBUG_MANAGER is None:
+            raise RuntimeError("[NVDLFW INSPECT ERROR] Debug manager not initialized. Call initialize first.")
+        APICacheIdentifier.save_call_details()
+        SingleMessageLogger.log_message_once(msg, layer_name, level, extra_cachable_args)
 
     def close() -> None:
         _unbind(debug_api)
-        real_close(manager)
+        if callable(earlier_close):
+            earlier_close()
+        else:
+            class_close(manager)
 
-    _BOUND.update(manager=manager, log_message=real_log, quiet=log_message)
+    _BOUND.update(manager=manager, log_message=real_log, quiet=log_message, close=close, earlier_close=earlier_close)
     debug_api.transformer_engine = api
     debug_api.log_message = log_message
     manager.close = close
@@ -368,7 +379,12 @@ def _unbind(debug_api: Any) -> None:
     debug_api.__dict__.pop("transformer_engine", None)
     if debug_api.__dict__.get("log_message") is _BOUND["quiet"]:
         debug_api.log_message = _BOUND["log_message"]
-    _BOUND["manager"].__dict__.pop("close", None)
+    manager = _BOUND["manager"]
+    if manager.__dict__.get("close") is _BOUND["close"]:
+        if _BOUND["earlier_close"] is None:
+            del manager.close
+        else:
+            manager.close = _BOUND["earlier_close"]
     _BOUND.clear()
 
 

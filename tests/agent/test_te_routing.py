@@ -31,13 +31,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def session() -> Iterator[Any]:
-    """Opens a debug session as bench/te_routing.py does; closes it and forgets the counter."""
+    """Opens a debug session as bench/te_routing.py does; closes it and forgets the counter; and
+    fails a test that left nvdlfw-inspect changed (its ``log_message``, a bound namespace)."""
     import nvdlfw_inspect.api as debug_api
 
+    real_log = debug_api.log_message
     yield lambda way, layers=2: te_routing._session(way, layers)
     if debug_api.DEBUG_MANAGER is not None:
         debug_api.end_debug()
     te_inspect._Slot.counter = None
+    left = debug_api.log_message is not real_log or "transformer_engine" in vars(debug_api) or te_inspect._BOUND
+    debug_api.log_message = real_log
+    vars(debug_api).pop("transformer_engine", None)
+    assert not left, "the test left nvdlfw-inspect changed"
 
 
 def _schedule(debug_api: Any, names: list[str], iterations: list[int], stagger_from: int | None = None) -> list[Any]:
@@ -204,8 +210,29 @@ def test_a_quiet_log_left_behind_passes_every_message_on(session: Any, monkeypat
     debug_api, names = session("fp8guard_keys")  # a session fp8guard did not bind
     written = _written(monkeypatch)
     quiet("an informational message", layer_name=names[0], level=logging.INFO)
-    assert [lv for _, lv in written] == [logging.INFO]
-    monkeypatch.setattr(debug_api, "log_message", real_log)
+    quiet("a warning from here", layer_name=names[0], level=logging.WARNING)
+    quiet("a warning from there", layer_name=names[0], level=logging.WARNING)  # another call site
+    assert [lv for _, lv in written] == [logging.INFO, logging.WARNING, logging.WARNING]
+    debug_api.log_message = real_log
+
+
+def test_a_log_message_replaced_while_bound_is_what_comes_back(session: Any) -> None:
+    """Whatever replaced fp8guard's ``log_message`` while bound counts as the one to put back:
+    binding again and closing leave it, and never bring back what was there before."""
+    real_log = debug_api_module().log_message
+
+    def stub(*a: Any, **k: Any) -> None:
+        return None
+
+    debug_api_module().log_message = stub  # someone's, before the session
+    try:
+        debug_api, _ = session("fp8guard_bound")
+        debug_api.log_message = real_log  # its owner puts nvdlfw-inspect's back, while bound
+        assert te_inspect.bind_namespace()  # bound again (the GPU bench's mode switches do this)
+        debug_api.end_debug()
+        assert debug_api.log_message is real_log
+    finally:
+        debug_api_module().log_message = real_log
 
 
 def test_attach_opens_a_session_that_answers_directly_and_binds(monkeypatch: pytest.MonkeyPatch,
@@ -218,6 +245,7 @@ def test_attach_opens_a_session_that_answers_directly_and_binds(monkeypatch: pyt
 
     if debug_api.DEBUG_MANAGER is not None:
         debug_api.end_debug()
+    real_log = debug_api.log_message
     _te_namespace.install()
     import types
 
@@ -244,7 +272,7 @@ def test_attach_opens_a_session_that_answers_directly_and_binds(monkeypatch: pyt
         assert api._cacheable_api_kwargs_map["inspect_tensor_enabled"] == ["tensor_name"]
     finally:
         debug_api.end_debug()
-    assert "transformer_engine" not in debug_api.__dict__
+    assert "transformer_engine" not in debug_api.__dict__ and debug_api.log_message is real_log
 
 
 def debug_api_module() -> Any:
@@ -330,6 +358,7 @@ def test_routing_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert result["entries_after"]["fp8guard_keys"]["routing_cache"] < result["entries_after"]["te_keys"]["routing_cache"]
     assert result["entries_after"]["fp8guard_direct"]["routing_cache"] == 0
     assert result["entries_after"]["fp8guard_bound"]["routing_cache"] == 0
+    assert result["host_ms_loop_floor_median"] > 0
     assert result["held_kb_per_counted_iteration"]["te_keys"] > 10 * result["held_kb_per_counted_iteration"]["fp8guard_keys"]
 
 
