@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -199,6 +200,12 @@ def attach(counter: InspectCounts) -> None:
     _Slot.counter = counter
 
 
+def _session_te_api(debug_api: Any) -> Any:
+    """TE's namespace API object of the open debug session (None without one)."""
+    apis = getattr(debug_api.DEBUG_MANAGER, "_namespace_apis", None)
+    return apis.get("transformer_engine") if isinstance(apis, dict) else None
+
+
 def cache_routes_across_iterations(on: bool = True) -> bool:
     """Key nvdlfw-inspect's routing of TE's calls on what decides the route in a debug session
     fp8guard opened: the layer and tensor, not the iteration. Call it only for such a session.
@@ -220,8 +227,7 @@ def cache_routes_across_iterations(on: bool = True) -> bool:
         import nvdlfw_inspect.api as debug_api
     except Exception:
         return False
-    apis = getattr(debug_api.DEBUG_MANAGER, "_namespace_apis", None)
-    api = apis.get("transformer_engine") if isinstance(apis, dict) else None
+    api = _session_te_api(debug_api)
     # (the instance's own attributes: a namespace API answers any other name with a routed call)
     state = getattr(api, "__dict__", {})
     keys, cache = state.get("_cacheable_api_kwargs_map"), state.get("_api_cache")
@@ -234,20 +240,15 @@ def cache_routes_across_iterations(on: bool = True) -> bool:
     return True
 
 
-_WANTED = frozenset(TENSOR_NAMES.values())
-
-
 def _direct_inspect_tensor_enabled(*, layer_name: str, tensor_name: str, iteration: int,
                                    **_: Any) -> tuple[bool, int | None]:
-    if tensor_name not in _WANTED:  # output, dgrad, wgrad: fp8guard's feature is not routed these
-        return False, None
+    # (output, dgrad, wgrad are no counter target: (False, None), TE's default, as routed)
     return _enabled(layer_name, tensor_name, iteration)
 
 
 def _direct_inspect_tensor(*, layer_name: str, tensor_name: str, iteration: int, tensor: torch.Tensor | None = None,
                            rowwise_quantized_tensor: Any = None, quantizer: Any = None, **_: Any) -> None:
-    if tensor_name in _WANTED:
-        _inspect(layer_name, tensor_name, iteration, tensor, rowwise_quantized_tensor, quantizer)
+    _inspect(layer_name, tensor_name, iteration, tensor, rowwise_quantized_tensor, quantizer)
 
 
 def _te_default(**_: Any) -> tuple[bool, None]:
@@ -288,8 +289,7 @@ def answer_directly(on: bool = True) -> bool:
         import nvdlfw_inspect.api as debug_api
     except Exception:
         return False
-    apis = getattr(debug_api.DEBUG_MANAGER, "_namespace_apis", None)
-    api = apis.get("transformer_engine") if isinstance(apis, dict) else None
+    api = _session_te_api(debug_api)
     state = getattr(api, "__dict__", None)
     if not isinstance(state, dict) or not callable(getattr(type(api), "route_api", None)):
         return False
@@ -301,9 +301,20 @@ def answer_directly(on: bool = True) -> bool:
     return True
 
 
-_BOUND: dict[str, Any] = {}
-"""What :func:`bind_namespace` replaced (nvdlfw-inspect's ``log_message``, the session manager's
-``close``) and what it put in their place, kept to put them back."""
+@dataclass(frozen=True)
+class _Binding:
+    """What :func:`bind_namespace` replaced and what it put in their place, to put them back."""
+
+    manager: Any
+    log_message: Callable[..., None]
+    """nvdlfw-inspect's ``log_message`` (or what replaced fp8guard's while it was bound)."""
+    quiet: Callable[..., None]
+    close: Callable[[], None]
+    earlier_close: Callable[[], None] | None
+    """The manager's own instance ``close``, if it had one."""
+
+
+_binding: _Binding | None = None
 
 
 def bind_namespace(on: bool = True) -> bool:
@@ -334,12 +345,12 @@ def bind_namespace(on: bool = True) -> bool:
     if not on:
         _unbind(debug_api)
         return True
+    global _binding
     manager = debug_api.DEBUG_MANAGER
-    apis = getattr(manager, "_namespace_apis", None)
-    api = apis.get("transformer_engine") if isinstance(apis, dict) else None
+    api = _session_te_api(debug_api)
     current = debug_api.__dict__.get("log_message")
     # the function to put back: nvdlfw-inspect's (or whatever replaced fp8guard's since it bound)
-    real_log = _BOUND["log_message"] if _BOUND and current is _BOUND["quiet"] else current
+    real_log = _binding.log_message if _binding is not None and current is _binding.quiet else current
     class_close = getattr(type(manager), "close", None)
     if (api is None or not callable(real_log) or not callable(class_close)
             or vars(api).get("inspect_tensor_enabled") is not _direct_inspect_tensor_enabled):
@@ -349,7 +360,7 @@ def bind_namespace(on: bool = True) -> bool:
 
     def log_message(msg: str, layer_name: str | None = None, level: int = logging.INFO,
                     extra_cachable_args: Any = None) -> None:
-        bound = _BOUND.get("quiet") is log_message and debug_api.DEBUG_MANAGER is manager
+        bound = _binding is not None and _binding.quiet is log_message and debug_api.DEBUG_MANAGER is manager
         if bound and level < logging.WARNING:
             return
         # nvdlfw_inspect.api.log_message's body, here so that the call site read two frames up
@@ -366,7 +377,7 @@ def bind_namespace(on: bool = True) -> bool:
         else:
             class_close(manager)
 
-    _BOUND.update(manager=manager, log_message=real_log, quiet=log_message, close=close, earlier_close=earlier_close)
+    _binding = _Binding(manager, real_log, log_message, close, earlier_close)
     debug_api.transformer_engine = api
     debug_api.log_message = log_message
     manager.close = close
@@ -374,18 +385,18 @@ def bind_namespace(on: bool = True) -> bool:
 
 
 def _unbind(debug_api: Any) -> None:
-    if not _BOUND:
+    global _binding
+    b, _binding = _binding, None
+    if b is None:
         return
     debug_api.__dict__.pop("transformer_engine", None)
-    if debug_api.__dict__.get("log_message") is _BOUND["quiet"]:
-        debug_api.log_message = _BOUND["log_message"]
-    manager = _BOUND["manager"]
-    if manager.__dict__.get("close") is _BOUND["close"]:
-        if _BOUND["earlier_close"] is None:
-            del manager.close
+    if debug_api.__dict__.get("log_message") is b.quiet:
+        debug_api.log_message = b.log_message
+    if b.manager.__dict__.get("close") is b.close:
+        if b.earlier_close is None:
+            del b.manager.close
         else:
-            manager.close = _BOUND["earlier_close"]
-    _BOUND.clear()
+            b.manager.close = b.earlier_close
 
 
 def detach(counter: InspectCounts) -> None:

@@ -40,7 +40,7 @@ def session() -> Iterator[Any]:
     if debug_api.DEBUG_MANAGER is not None:
         debug_api.end_debug()
     te_inspect._Slot.counter = None
-    left = debug_api.log_message is not real_log or "transformer_engine" in vars(debug_api) or te_inspect._BOUND
+    left = debug_api.log_message is not real_log or "transformer_engine" in vars(debug_api) or te_inspect._binding is not None
     debug_api.log_message = real_log
     vars(debug_api).pop("transformer_engine", None)
     assert not left, "the test left nvdlfw-inspect changed"
@@ -186,7 +186,7 @@ def test_the_bound_namespace_and_quiet_log_end_with_fp8guard_s_session(session: 
     assert te_inspect.bind_namespace() and te_inspect.bind_namespace()  # twice: bound once, undone once
     debug_api.end_debug()
     assert "transformer_engine" not in debug_api.__dict__ and debug_api.log_message is real_log
-    assert "close" not in vars(manager) and not te_inspect._BOUND
+    assert "close" not in vars(manager) and te_inspect._binding is None
     with pytest.raises(RuntimeError, match="not initialized"):
         _ = debug_api.transformer_engine
 
@@ -289,7 +289,7 @@ def test_no_session_or_another_shape_answers_nothing_directly(monkeypatch: pytes
     monkeypatch.setattr(debug_api, "DEBUG_MANAGER", SimpleNamespace(_namespace_apis={"transformer_engine": object()}))
     assert te_inspect.answer_directly() is False
     assert te_inspect.bind_namespace() is False  # a manager that cannot close: nothing bound
-    assert "transformer_engine" not in debug_api.__dict__ and not te_inspect._BOUND
+    assert "transformer_engine" not in debug_api.__dict__ and te_inspect._binding is None
 
 
 class _Twice(torch.autograd.Function):
